@@ -1,0 +1,83 @@
+# Declarations of csrc/ring.h (declarations only; keep in sync with that file).
+from libc.stdint cimport uint8_t, uint32_t, uint64_t, int32_t, int64_t
+
+cdef extern from "sys/types.h":
+    ctypedef int pid_t
+
+cdef extern from "ring.h" nogil:
+    enum:
+        MPL_FREE
+        MPL_ASSIGNED
+        MPL_READY
+        MPL_LEASED
+    enum:
+        MPL_KIND_NONE
+        MPL_KIND_SLOT
+        MPL_KIND_PIPE
+        MPL_KIND_ERROR
+    enum:
+        MPL_OK
+        MPL_ETIMEDOUT
+        MPL_ESTATE
+        MPL_ENOSPACE
+        MPL_ESYS
+        MPL_EINVAL
+    enum:
+        MPL_FLAG_GROWN
+        MPL_FLAG_INBAND
+
+    ctypedef struct mpl_slot_meta:
+        uint64_t seq
+        uint64_t offset
+        uint64_t capacity
+        uint64_t used
+        uint64_t desc_off
+        uint64_t desc_len
+        uint32_t kind
+        uint32_t flags
+        int32_t worker_pid
+        uint32_t grow_count
+
+    ctypedef struct mpl_region:
+        uint8_t *base
+        uint64_t reserve_bytes
+        int fd
+        uint32_t nslots
+
+    int mpl_region_create(mpl_region *r, uint32_t nslots, uint64_t slot_bytes, uint64_t reserve_bytes)
+    void mpl_region_close_fd(mpl_region *r)
+    void mpl_region_unmap(mpl_region *r)
+    int mpl_region_populate(mpl_region *r)
+    uint64_t mpl_region_file_bytes(const mpl_region *r)
+    uint64_t mpl_region_size_hint(const mpl_region *r)
+    void mpl_region_note_size(mpl_region *r, uint64_t need)
+    int mpl_find_free(mpl_region *r, uint32_t start)
+    int mpl_slot_assign(mpl_region *r, uint32_t slot, uint64_t seq)
+    int mpl_slot_wait(mpl_region *r, uint32_t slot, int64_t timeout_ns)
+    int mpl_slot_release(mpl_region *r, uint32_t slot)
+    int mpl_slot_reclaim(mpl_region *r, uint32_t slot)
+    uint32_t mpl_slot_state(const mpl_region *r, uint32_t slot)
+    mpl_slot_meta *mpl_slot_meta_of(mpl_region *r, uint32_t slot)
+    uint8_t *mpl_slot_payload(mpl_region *r, uint32_t slot)
+    int mpl_slot_begin(mpl_region *r, uint32_t slot, uint64_t seq)
+    int mpl_slot_grow(mpl_region *r, uint32_t slot, uint64_t need, uint64_t preserve)
+    int mpl_slot_publish(mpl_region *r, uint32_t slot, uint32_t kind, uint32_t flags,
+                         uint64_t used, uint64_t desc_off, uint64_t desc_len)
+    int mpl_set_pdeathsig(int sig, pid_t expected_ppid)
+
+
+cdef class Region:
+    cdef mpl_region r
+    cdef readonly long owner_pid
+    cdef readonly bint closed
+    cdef int _check(self, uint32_t slot) except -1
+
+
+cdef class SlotLease:
+    cdef Region region
+    cdef uint32_t slot
+    cdef uint8_t *ptr
+    cdef Py_ssize_t nbytes
+    cdef Py_ssize_t shape[1]
+    cdef Py_ssize_t strides[1]
+    cdef readonly long exports
