@@ -1,0 +1,19 @@
+"""mploader: forked data-loading workers that collate batches straight into a
+shared-memory slot ring; the training loop receives zero-copy numpy views."""
+from ._collate import default_batchify
+from ._engine import WorkerError
+from .dataloader import DataLoader
+from .sampler import BatchSampler, FilterSampler, IntervalSampler, RandomSampler, Sampler, SequentialSampler
+
+__all__ = [
+    "DataLoader",
+    "WorkerError",
+    "default_batchify",
+    "Sampler",
+    "SequentialSampler",
+    "RandomSampler",
+    "BatchSampler",
+    "FilterSampler",
+    "IntervalSampler",
+]
+__version__ = "0.1.0"

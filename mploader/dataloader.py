@@ -1,0 +1,240 @@
+"""``mploader.DataLoader``: MXNet Gluon's DataLoader on the slot ring."""
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from . import _engine
+from ._collate import collate
+from .sampler import BatchSampler, RandomSampler, SequentialSampler
+
+_LAST_BATCH = ("keep", "discard", "rollover")
+
+
+def make_fetch(batchify_fn: Callable | None) -> Callable:
+    """``fetch(dataset, indices, alloc)`` for one batch of indices.
+
+    Batchify functions with a ``collate(samples, alloc)`` method (the default, and
+    those of :mod:`mploader.batchify`) write straight into ``alloc``'s arrays; any
+    other callable is called as ``batchify_fn(samples)`` and its arrays are copied
+    into the slot once.
+    """
+    if batchify_fn is None:
+        def fetch(dataset, indices, alloc):
+            return collate([dataset[i] for i in indices], alloc)
+    elif hasattr(batchify_fn, "collate"):
+        into = batchify_fn.collate
+
+        def fetch(dataset, indices, alloc):
+            return into([dataset[i] for i in indices], alloc)
+    else:
+        def fetch(dataset, indices, alloc):
+            return batchify_fn([dataset[i] for i in indices])
+    return fetch
+
+
+def check_dataset(dataset: Any, needs_len: bool) -> None:
+    if not hasattr(dataset, "__getitem__") or (needs_len and not hasattr(dataset, "__len__")):
+        raise TypeError(f"dataset must support __getitem__{' and __len__' if needs_len else ''}, "
+                        f"got {type(dataset).__name__}")
+
+
+def check_nonneg_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def draw_seed(seed: int | None) -> int:
+    """The loader's base seed: ``seed``, or one draw from NumPy's global RNG (so
+    ``np.random.seed`` makes loaders reproducible, as torch's loader does with
+    ``torch.manual_seed``)."""
+    if seed is None:
+        return int(np.random.randint(0, 2**63 - 1, dtype=np.int64))
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed must be an int or None, got {seed!r}")
+    return int(seed)
+
+
+class DataLoader:
+    """Loads samples from a dataset and returns batches, as ``mxnet.gluon.data.DataLoader``.
+
+    Workers are forked processes that collate each batch directly into a slot of a
+    shared-memory ring; every array of a returned batch is a zero-copy view of that
+    slot (``base`` chain ends in a ``SlotLease``).  The slot is reused only after
+    every view of it -- and anything built on them, e.g. ``torch.from_numpy`` -- has
+    been garbage-collected, so a returned batch never changes.
+
+    Parameters
+    ----------
+    dataset : Dataset
+        Anything with ``__getitem__`` and ``__len__`` (numpy arrays included).
+    batch_size : int, optional
+        Samples per batch; required unless ``batch_sampler`` is given.
+    shuffle : bool
+        Shuffle the samples each epoch (permutation drawn from a generator seeded by
+        (seed, epoch)).  Not with ``sampler``.
+    sampler : Sampler, optional
+        Yields sample indices.  Not with ``shuffle``.
+    last_batch : {'keep', 'discard', 'rollover'}, optional
+        What to do with an incomplete last batch (default 'keep'), as Gluon.
+    batch_sampler : Sampler, optional
+        Yields lists of indices.  Not with batch_size, shuffle, sampler, last_batch.
+    batchify_fn : callable, optional
+        ``batchify_fn(samples) -> batch``.  Default: :func:`mploader.default_batchify`
+        (stacks arrays and numbers, recursing into tuples, lists, dicts).
+    num_workers : int
+        Worker processes; 0 loads in the calling process.
+    pin_memory, pin_device_id :
+        Accepted for compatibility; without CUDA they do nothing.
+    prefetch : int, optional
+        Batches in flight (default ``2 * num_workers``).
+    thread_pool : bool
+        Use ``num_workers`` threads instead of processes (no shared memory).
+    timeout : float
+        Seconds one batch may take once the loader waits for it (default 120);
+        None or 0 disables.  Exceeding it raises ``TimeoutError``.
+    try_nopython : bool, optional
+        Accepted for compatibility with Gluon; ignored (there is no C++ pipeline).
+    shared_mem : int, optional
+        Payload bytes per slot; None sizes slots from the first batch with 25 %
+        headroom.  Batches that do not fit make the slot grow.
+    copy : bool
+        Return owned arrays instead of views into shared memory.
+    seed : int, optional
+        Base seed.  Before each batch the worker seeds ``random``, NumPy's global RNG
+        and torch's (if imported) from (seed, epoch, batch index), so an epoch's
+        batches are the same for any ``num_workers``.  None draws one from NumPy's
+        global RNG.
+
+    Raises
+    ------
+    TypeError
+        ``dataset`` lacks ``__getitem__``/``__len__``; ``seed`` not an int.
+    ValueError
+        An argument is out of range or conflicts with another (the message names it).
+    """
+
+    def __init__(self, dataset: Any, batch_size: int | None = None, shuffle: bool = False, sampler: Any = None,
+                 last_batch: str | None = None, batch_sampler: Any = None, batchify_fn: Callable | None = None,
+                 num_workers: int = 0, pin_memory: bool = False, pin_device_id: int = 0,
+                 prefetch: int | None = None, thread_pool: bool = False, timeout: float | None = 120,
+                 try_nopython: bool | None = None, *, shared_mem: int | None = None, copy: bool = False,
+                 seed: int | None = None) -> None:
+        check_dataset(dataset, needs_len=batch_sampler is None)
+        self._seed = draw_seed(seed)
+        self._shuffler: RandomSampler | None = None
+        if batch_sampler is None:
+            if batch_size is None:
+                raise ValueError("batch_size must be specified unless batch_sampler is specified")
+            if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size <= 0:
+                raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+            if last_batch is not None and last_batch not in _LAST_BATCH:
+                raise ValueError(f"last_batch must be one of 'keep', 'discard', 'rollover', got {last_batch!r}")
+            if sampler is None:
+                if shuffle:
+                    sampler = self._shuffler = RandomSampler(len(dataset), seed=self._seed)
+                else:
+                    sampler = SequentialSampler(len(dataset))
+            elif shuffle:
+                raise ValueError(f"shuffle must not be specified if sampler is specified, got shuffle={shuffle!r}")
+            batch_sampler = BatchSampler(sampler, batch_size, last_batch if last_batch else "keep")
+        elif batch_size is not None or shuffle or sampler is not None or last_batch is not None:
+            raise ValueError("batch_size, shuffle, sampler and last_batch must not be specified if batch_sampler "
+                             f"is specified, got batch_size={batch_size!r}, shuffle={shuffle!r}, "
+                             f"sampler={sampler!r}, last_batch={last_batch!r}")
+        self._dataset = dataset
+        self._batch_sampler = batch_sampler
+        self._num_workers = check_nonneg_int("num_workers", num_workers)
+        if prefetch is not None:
+            check_nonneg_int("prefetch", prefetch)
+        self._prefetch = int(prefetch) if prefetch is not None else 2 * self._num_workers
+        if shared_mem is not None:
+            check_nonneg_int("shared_mem", shared_mem)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                                    or timeout < 0):
+            raise ValueError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
+        self._timeout = float(timeout) if timeout else None
+        self._thread_pool = bool(thread_pool)
+        self._pin_memory = bool(pin_memory)
+        self._pin_device_id = pin_device_id
+        self._copy = bool(copy)
+        self._fetch = make_fetch(batchify_fn)
+        self._epoch = 0
+        self._engine: _engine.Engine | None = None
+        if self._num_workers > 0 and not self._thread_pool:
+            self._engine = _engine.Engine(dataset, self._fetch, num_workers=self._num_workers,
+                                          prefetch=self._prefetch, shared_mem=shared_mem,
+                                          timeout_s=self._timeout, seed=self._seed, copy=self._copy)
+
+    def __len__(self) -> int:
+        """Number of batches per epoch (``len(batch_sampler)``)."""
+        return len(self._batch_sampler)
+
+    def _tasks(self, epoch: int) -> Iterator[tuple]:
+        if self._shuffler is not None:
+            self._shuffler.set_epoch(epoch)
+        for i, indices in enumerate(self._batch_sampler):
+            yield epoch, i, indices
+
+    def __iter__(self) -> "_LoaderIter":
+        epoch = self._epoch
+        self._epoch += 1
+        tasks = self._tasks(epoch)
+        if self._engine is not None:
+            gen = self._engine.run(tasks)
+        elif self._thread_pool and self._num_workers > 0:
+            gen = _engine.run_threads(self._dataset, self._fetch, tasks, self._num_workers, self._prefetch,
+                                      self._timeout)
+        else:
+            gen = _engine.run_inline(self._dataset, self._fetch, tasks, self._seed)
+        return _LoaderIter(gen, len(self), self._engine)
+
+    def stats(self) -> dict:
+        """Transport counters (ints): ``batches`` delivered; ``slot`` zero-copy through a
+        slot; ``fallback_inband`` through a slot with some leaves pickled in the
+        descriptor (object arrays, arbitrary objects); ``fallback_pipe`` pickled through a
+        worker's pipe; ``no_free_slot`` dispatched while every slot was held; ``grown``
+        batches for which a slot grew; ``errors`` re-raised worker exceptions;
+        ``num_slots``; ``shm_bytes`` (bytes of shared memory the ring spans)."""
+        if self._engine is None:
+            return {"batches": 0, "slot": 0, "fallback_inband": 0, "fallback_pipe": 0, "no_free_slot": 0,
+                    "grown": 0, "errors": 0, "num_slots": 0, "shm_bytes": 0}
+        return self._engine.stats()
+
+    def worker_pids(self) -> list[int]:
+        """Process ids of the live workers (empty before the first iteration)."""
+        return self._engine.worker_pids() if self._engine is not None else []
+
+    def close(self) -> None:
+        """Stop the workers and release shared memory not held by live batches.  Idempotent."""
+        if self._engine is not None:
+            self._engine.close()
+
+    def __enter__(self) -> "DataLoader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class _LoaderIter:
+    """One epoch of a :class:`DataLoader`; keeps the engine alive on its own."""
+
+    def __init__(self, gen: Iterator[Any], length: int, engine: Any) -> None:
+        self._gen = gen
+        self._len = length
+        self._engine = engine
+
+    def __iter__(self) -> "_LoaderIter":
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._gen)
+
+    next = __next__
+
+    def __len__(self) -> int:
+        return self._len
