@@ -167,3 +167,24 @@ def test_collate_structures():
     assert ints.dtype == np.int64 and floats.dtype == np.float64
     assert scalars.tolist() == [0, 1, 2]
     assert peers.collate([np.zeros(3), np.ones(3)]).shape == (2, 3)
+
+
+def test_transport_suite_smoke(tmp_path):
+    """The benchmark runs end to end and writes its JSON (structure only, no timing)."""
+    import json
+
+    from mploader._bench import transport
+
+    report = transport.run(workers=1, repeats=2, seconds=0.01, sizes=("tiny",),
+                           transports=("pickle", "inline", "collate-limit"),
+                           out_dir=tmp_path, quiet=True)
+    assert not report["errors"]
+    assert {r["transport"] for r in report["runs"]} == {"pickle", "inline", "collate-limit"}
+    assert len(report["runs"]) == 6
+    assert report["sizes"]["tiny"]["bytes_per_batch"] == 32 * (8 + 16 * 4)
+    assert set(report["medians"]["tiny"]) == {"pickle", "inline", "collate-limit"}
+    for key in ("cpu_model", "python", "numpy", "logical_cores"):
+        assert key in report["machine"]
+    saved = json.loads((tmp_path / "transport-latest.json").read_text())
+    assert saved["config"]["sizes"] == ["tiny"]
+    assert len(saved["runs"]) == 6
