@@ -14,6 +14,7 @@ import numpy as np
 Alloc = Callable[[tuple, np.dtype], np.ndarray]
 
 _NUMBER_TYPES = (bool, int, float, complex, np.number, np.bool_)
+_NDARRAY_ONLY = {np.ndarray}
 
 
 def _heap_alloc(shape: tuple, dtype: Any) -> np.ndarray:
@@ -38,16 +39,16 @@ def collate(samples: Sequence[Any], alloc: Alloc = _heap_alloc) -> Any:
     first = samples[0]
     if isinstance(first, np.ndarray):
         dtype, shape = first.dtype, first.shape
-        if dtype.hasobject or type(first) is not np.ndarray:
+        if (dtype.hasobject or {type(s) for s in samples} != _NDARRAY_ONLY
+                or {s.shape for s in samples} != {shape} or {s.dtype for s in samples} != {dtype}):
             return list(samples)
-        for s in samples:
-            if type(s) is not np.ndarray or s.shape != shape or s.dtype != dtype:
-                return list(samples)
         out = alloc((len(samples),) + shape, dtype)
-        np.stack(samples, out=out)
+        for i, s in enumerate(samples):
+            out[i] = s
         return out
     if isinstance(first, _NUMBER_TYPES):
-        if not all(isinstance(s, _NUMBER_TYPES) for s in samples):
+        if not all(issubclass(t, _NUMBER_TYPES) and not issubclass(t, np.ndarray)
+                   for t in {type(s) for s in samples}):
             return list(samples)
         try:
             arr = np.asarray(samples)
@@ -66,7 +67,7 @@ def collate(samples: Sequence[Any], alloc: Alloc = _heap_alloc) -> Any:
     if isinstance(first, (tuple, list)):
         n = len(first)
         kind = type(first)
-        if n == 0 or not all(type(s) is kind and len(s) == n for s in samples):
+        if n == 0 or {type(s) for s in samples} != {kind} or {len(s) for s in samples} != {n}:
             return list(samples)
         columns = [collate(list(col), alloc) for col in zip(*samples)]
         if isinstance(first, tuple) and hasattr(first, "_fields"):
