@@ -228,7 +228,10 @@ class _MPLoader(Transport):
     def _epoch(self, batches: list[list[int]]) -> Iterator[Any]:
         self._sampler.batches = batches
         for batch in self._loader:
-            yield _as_batch(batch)
+            out = _as_batch(batch)
+            del batch  # hold the batch (and its slot) only through `out`
+            yield out
+            del out
 
     def _close(self) -> None:
         loader, self._loader = getattr(self, "_loader", None), None
@@ -399,7 +402,10 @@ class _Torch(Transport):
     def _epoch(self, batches: list[list[int]]) -> Iterator[Any]:
         self._sampler.batches = batches
         for batch in self._loader:
-            yield _torch_to_numpy(batch)
+            out = _torch_to_numpy(batch)
+            del batch
+            yield out
+            del out
 
     def _close(self) -> None:
         loader, self._loader = getattr(self, "_loader", None), None
