@@ -430,6 +430,8 @@ class Engine:
             if waited == 0:
                 waited = 1e-9
                 continue
+            if self._closed:
+                raise RuntimeError("the loader was closed while waiting for a batch")
             self._check_health(task)
             if self.timeout_s is not None and waited > self.timeout_s:
                 w = task.worker
@@ -520,7 +522,7 @@ class Engine:
             if w.retiring and not w.outstanding and os.WIFEXITED(w.status) and os.WEXITSTATUS(w.status) == 0:
                 continue
             # It may have published our batch just before dying.
-            if w is task.worker and task.slot >= 0 and res.region.state(task.slot) == _ring_READY:
+            if w is task.worker and task.slot >= 0 and res.region.state(task.slot) == _ring.STATE_READY:
                 return
             code, sig, how = _describe_exit(w.status)
             held = w.outstanding[0] if w.outstanding else None
@@ -536,7 +538,7 @@ class Engine:
         res.kill_workers(0)
         region = res.region
         for slot in range(self.num_slots):
-            if region.state(slot) in (_ring_ASSIGNED, _ring_READY):
+            if region.state(slot) in (_ring.STATE_ASSIGNED, _ring.STATE_READY):
                 region.reclaim(slot)
         self._stale.clear()
         self._stale_pipe.clear()
@@ -578,10 +580,6 @@ def _drop_siblings(res: _Resources) -> None:
             os.close(w.pidfd)
         except OSError:
             pass
-
-
-_ring_ASSIGNED = 1
-_ring_READY = 2
 
 
 def run_inline(dataset: Any, fetch: Callable, tasks: Iterable[Task], seed: int) -> Iterator[Any]:

@@ -27,6 +27,10 @@ KIND_ERROR = MPL_KIND_ERROR
 FLAG_GROWN = MPL_FLAG_GROWN
 FLAG_INBAND = MPL_FLAG_INBAND
 cdef char *_FORMAT_B = b"B"
+STATE_FREE = MPL_FREE
+STATE_ASSIGNED = MPL_ASSIGNED
+STATE_READY = MPL_READY
+STATE_LEASED = MPL_LEASED
 STATE_NAMES = {MPL_FREE: "FREE", MPL_ASSIGNED: "ASSIGNED", MPL_READY: "READY", MPL_LEASED: "LEASED"}
 
 
@@ -90,6 +94,16 @@ cdef class Region:
     @property
     def nslots(self):
         return self.r.nslots
+
+    @property
+    def address(self):
+        """Start address of the mapping in this process (0 once unmapped)."""
+        return <size_t>self.r.base
+
+    @property
+    def reserve_bytes(self):
+        """Length of the mapping: address space reserved for the region (bytes)."""
+        return self.r.reserve_bytes
 
     @property
     def fd(self):
