@@ -1,0 +1,792 @@
+"""The images benchmark: an ImageNet-style training input pipeline on real photographs.
+
+Every transport of :mod:`mploader._bench.peers` (``mploader``, ``pickle``,
+``torch``, ``inline``) runs the same datasets of :mod:`mploader._bench.pipeline`
+over the same batches, with the same number of workers:
+
+``jpeg``
+    JPEG/PNG files decoded with Pillow, RandomResizedCrop to 224, flip.
+``raw``
+    The same images pre-decoded to ``(N, 256, 256, 3)`` uint8 in one
+    memory-mapped ``.npy``: crop, nearest-neighbour resize and flip only, so
+    that moving the batch dominates.
+
+Method
+------
+Per format the batch list is fixed once: the first ``N`` batches of an endless
+stream of shuffled passes over the images (pass ``p`` indexes images
+``p * n .. p * n + n - 1`` so each pass gets new augmentations).  ``N`` comes
+from ``--batches`` or from ``--seconds``: the ``inline`` transport runs a few
+batches to calibrate the single-core rate ``r1`` and a run gets
+``seconds * r1 * workers`` images, a multiple of ``workers`` batches; ``inline``
+itself runs the prefix worth ``seconds`` at ``r1``.  Each transport is opened
+once per format and warmed up with ``workers`` batches; then, for each
+repetition, the transports run one after the other in the same order (a timed
+run is one whole epoch, so no work spills into the next transport's run).
+
+The consumer takes each batch with ``next()`` (the time spent there is the
+*wait*), checks shapes and dtypes (``(B, 224, 224, 3)`` uint8, ``(B,)`` int64),
+touches it as a training step's host side would (float32 mean of channel 0,
+normalised with ImageNet's mean and std: it reads every page of the batch) and
+computes a CRC-32 of the image bytes and the labels.  The checksums of every
+batch must agree across transports and repetitions, else :class:`VerificationError`.
+
+Metrics of a run (the table shows medians over repetitions):
+
+* images/s and MB/s (1e6 bytes of collated images and labels per second);
+* wait %: time the consumer spent inside ``next()``, as % of the run's wall time;
+* CPU s / 1k img: user + system CPU seconds of the parent and of this
+  transport's worker processes (psutil) during the run, per 1,000 images;
+* peak PSS: largest sum of the proportional set size of the parent and the
+  transport's workers, sampled every 0.3 s in a background thread (MB = 1e6 B);
+* x pickle, x torch: ratios of median images/s;
+* scaling: images/s / (workers x inline images/s).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import statistics
+import threading
+import time
+import warnings
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from . import data as _data
+from . import pipeline as _pipeline
+
+__all__ = [
+    "DEFAULT_REPEATS",
+    "DEFAULT_SECONDS",
+    "FORMATS",
+    "IMAGE_TRANSPORTS",
+    "ImagesConfig",
+    "VerificationError",
+    "batch_checksum",
+    "consume",
+    "plot_png",
+    "print_tables",
+    "run",
+    "write_json",
+]
+
+SUITE = "images"
+SCHEMA_VERSION = 1
+#: The formats, in report order.
+FORMATS = ("jpeg", "raw")
+#: The transports this suite compares by default, in run and report order.
+IMAGE_TRANSPORTS = ("mploader", "pickle", "torch", "inline")
+#: Default target duration of one timed run of a worker transport, in seconds.
+DEFAULT_SECONDS = 5.0
+#: Default number of repetitions.
+DEFAULT_REPEATS = 3
+#: ImageNet's mean and std of the red channel (0-255 scale), used by the consumer.
+_MEAN_R, _STD_R = 123.675, 58.395
+_PSS_INTERVAL = 0.3
+_MAX_BATCHES = 100_000
+
+#: Targets of the issue, as (format, peer, minimum ratio of mploader's images/s).
+TARGETS: tuple[tuple[str, str, float], ...] = (
+    ("raw", "pickle", 3.0),
+    ("raw", "torch", 1.5),
+    ("jpeg", "pickle", 1.0),
+    ("jpeg", "torch", 1.0),
+)
+
+
+class VerificationError(RuntimeError):
+    """A transport delivered a batch that differs from the reference.
+
+    Attributes
+    ----------
+    results : dict
+        The report so far (with ``verification`` filled in).
+    """
+
+    def __init__(self, message: str, results: dict | None = None) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+@dataclass
+class ImagesConfig:
+    """Settings of one images benchmark.
+
+    Attributes
+    ----------
+    data : str or None
+        ImageFolder to use; None builds/uses the default photo folder.
+    formats : list of str
+        Subset of :data:`FORMATS`.
+    transports : list of str
+        Names from :data:`mploader._bench.peers.TRANSPORTS`.
+    workers : int
+        Worker processes of every multi-process transport, >= 1.
+    batch_size : int
+        Images per batch, >= 1.
+    batches : int or None
+        Batches per timed run (every transport); None: from `seconds`.
+    seconds : float
+        Target duration of a timed run when `batches` is None, in seconds.
+    repeats : int
+        Repetitions, >= 1.
+    seed : int
+        Seed of the batch order, the augmentation and the default data.
+    cache_dir : str or None
+        Cache directory (default :func:`mploader._bench.data.default_cache_dir`).
+    count : int
+        Number of images of the default data.
+    prefetch : int or None
+        Batches in flight per transport (None: each transport's default).
+    progress : bool
+        Show tqdm progress bars.
+    """
+
+    data: str | None = None
+    formats: list[str] = field(default_factory=lambda: list(FORMATS))
+    transports: list[str] = field(default_factory=lambda: list(IMAGE_TRANSPORTS))
+    workers: int = 2
+    batch_size: int = 256
+    batches: int | None = None
+    seconds: float = DEFAULT_SECONDS
+    repeats: int = DEFAULT_REPEATS
+    seed: int = 0
+    cache_dir: str | None = None
+    count: int = _data.DEFAULT_COUNT
+    prefetch: int | None = None
+    progress: bool = True
+
+
+# --------------------------------------------------------------------------
+# the consumer
+
+
+def batch_checksum(images: np.ndarray, labels: np.ndarray) -> int:
+    """CRC-32 of a batch: the image bytes (C order), then the label bytes.
+
+    Parameters
+    ----------
+    images : numpy.ndarray
+        ``(B, H, W, 3)`` uint8.
+    labels : numpy.ndarray
+        ``(B,)`` int64.
+
+    Returns
+    -------
+    int
+        Unsigned 32-bit checksum.
+    """
+    crc = zlib.crc32(np.ascontiguousarray(images))
+    return zlib.crc32(np.ascontiguousarray(labels), crc)
+
+
+def consume(batch: Any, batch_size: int, size: int = _pipeline.OUTPUT_SIZE) -> tuple[int, float, str | None]:
+    """What the benchmark's training loop does with one batch.
+
+    Checks the layout, touches the batch (float32 mean of channel 0,
+    normalised with ImageNet's mean and std: reads every page of the batch) and
+    checksums it.
+
+    Parameters
+    ----------
+    batch : tuple
+        ``(images, labels)``: ``(B, size, size, 3)`` uint8 and ``(B,)`` int64.
+    batch_size : int
+        Expected ``B``.
+    size : int, optional
+        Expected image side.
+
+    Returns
+    -------
+    (int, float, str or None)
+        The checksum (:func:`batch_checksum`), the normalised channel mean, and
+        a description of what is wrong with the layout (None when right).
+    """
+    try:
+        images, labels = batch
+    except (TypeError, ValueError):
+        return 0, 0.0, f"expected (images, labels), got {type(batch).__name__}"
+    images = np.asarray(images)
+    labels = np.asarray(labels)
+    problem = None
+    if images.shape != (batch_size, size, size, 3) or images.dtype != np.uint8:
+        problem = (f"images {images.shape} {images.dtype}, expected "
+                   f"({batch_size}, {size}, {size}, 3) uint8")
+    elif labels.shape != (batch_size,) or labels.dtype != np.int64:
+        problem = f"labels {labels.shape} {labels.dtype}, expected ({batch_size},) int64"
+    if images.ndim == 4 and images.shape[-1] >= 1 and images.size:
+        mean = (float(images[..., 0].mean(dtype=np.float32)) - _MEAN_R) / _STD_R
+    else:
+        mean = 0.0
+    return batch_checksum(images, labels), mean, problem
+
+
+# --------------------------------------------------------------------------
+# batches
+
+
+def make_batches(n: int, batch_size: int, count: int, seed: int) -> list[list[int]]:
+    """The first `count` batches of the endless shuffled stream over `n` images.
+
+    Pass ``p`` is a permutation of ``range(n)`` from
+    ``default_rng([seed, 0x5EED, p])``, offset by ``p * n`` (so the dataset
+    sees epoch ``p``); the passes are concatenated and cut into batches.
+
+    Parameters
+    ----------
+    n : int
+        Number of images.
+    batch_size : int
+        Indices per batch.
+    count : int
+        Number of batches.
+    seed : int
+        Seed of the order.
+
+    Returns
+    -------
+    list of list of int
+        `count` batches of `batch_size` indices; a prefix of the list for a
+        larger `count`.
+    """
+    total = batch_size * count
+    passes = -(-total // n)
+    order = np.concatenate([p * n + np.random.default_rng([seed, 0x5EED, p]).permutation(n)
+                            for p in range(passes)])[:total]
+    return order.reshape(count, batch_size).tolist()
+
+
+# --------------------------------------------------------------------------
+# process-tree measurements
+
+
+class _Tree:
+    """CPU time and PSS of the parent plus a set of worker pids (psutil)."""
+
+    def __init__(self) -> None:
+        try:
+            import psutil
+        except ImportError:  # pragma: no cover - psutil is a bench extra
+            psutil = None
+        self.psutil = psutil
+        self.procs: list[Any] = []
+        if psutil is not None:
+            self.me = psutil.Process()
+
+    def children(self) -> set[int]:
+        if self.psutil is None:
+            return set()
+        return {p.pid for p in self.me.children(recursive=True)}
+
+    def track(self, pids: set[int]) -> None:
+        self.procs = [self.me] if self.psutil is not None else []
+        for pid in sorted(pids):
+            try:
+                self.procs.append(self.psutil.Process(pid))
+            except Exception:
+                pass
+
+    def cpu(self) -> dict[int, float] | None:
+        if self.psutil is None:
+            return None
+        out = {}
+        for p in self.procs:
+            try:
+                t = p.cpu_times()
+                out[p.pid] = t.user + t.system
+            except Exception:
+                pass
+        return out
+
+    def pss(self) -> int | None:
+        if self.psutil is None:
+            return None
+        total = 0
+        for p in self.procs:
+            try:
+                total += p.memory_full_info().pss
+            except Exception:
+                pass
+        return total
+
+
+class _PssSampler(threading.Thread):
+    def __init__(self, tree: _Tree, interval: float = _PSS_INTERVAL) -> None:
+        super().__init__(daemon=True, name="mploader-bench-pss")
+        self.tree, self.interval = tree, interval
+        self.peak: int | None = None
+        self._halt = threading.Event()
+
+    def _sample(self) -> None:
+        v = self.tree.pss()
+        if v is not None and (self.peak is None or v > self.peak):
+            self.peak = v
+
+    def run(self) -> None:
+        self._sample()
+        while not self._halt.wait(self.interval):
+            self._sample()
+
+    def stop(self) -> int | None:
+        self._halt.set()
+        self.join()
+        self._sample()
+        return self.peak
+
+
+# --------------------------------------------------------------------------
+# running
+
+
+class _Verifier:
+    """Reference checksums per batch; collects differences."""
+
+    def __init__(self, fmt: str) -> None:
+        self.fmt = fmt
+        self.ref: dict[int, tuple[int, str]] = {}
+        self.problems: list[str] = []
+
+    def check(self, k: int, crc: int, who: str, problem: str | None) -> None:
+        if problem is not None:
+            self.problems.append(f"format {self.fmt}: {who}, batch {k}: {problem}")
+            return
+        if k not in self.ref:
+            self.ref[k] = (crc, who)
+        elif self.ref[k][0] != crc:
+            want, ref_who = self.ref[k]
+            self.problems.append(f"format {self.fmt}: {who}, batch {k}: crc32 {crc:08x} "
+                                 f"differs from {want:08x} of {ref_who}")
+
+
+def _run_epoch(t: Any, batches: list[list[int]], first: int, verifier: _Verifier, who: str,
+               batch_size: int, tick: Callable[[], None] | None) -> tuple[float, float]:
+    """Iterate one epoch, consuming every batch; returns (wall s, wait s)."""
+    wait = 0.0
+    k = first
+    clock = time.perf_counter
+    t0 = clock()
+    it = iter(t.epoch(batches))
+    while True:
+        a = clock()
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        wait += clock() - a
+        crc, _, problem = consume(batch, batch_size)
+        del batch
+        verifier.check(k, crc, who, problem)
+        k += 1
+        if tick is not None:
+            tick()
+    wall = clock() - t0
+    if k - first != len(batches):
+        verifier.problems.append(f"format {verifier.fmt}: {who} yielded {k - first} batches, "
+                                 f"expected {len(batches)}")
+    return wall, wait
+
+
+def _open_dataset(fmt: str, folder: _data.ImageFolder, cfg: ImagesConfig, epochs: int,
+                  log: Callable[[str], None]) -> Any:
+    if fmt == "jpeg":
+        return _pipeline.JpegDataset(folder.paths, folder.labels, seed=cfg.seed, epochs=epochs)
+    images_path, labels_path = _data.ensure_raw(folder, cfg.cache_dir, progress=cfg.progress,
+                                                log=log)
+    return _pipeline.RawDataset(images_path, labels_path, seed=cfg.seed, epochs=epochs)
+
+
+def _median(xs: Sequence[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def _run_format(fmt: str, folder: _data.ImageFolder, cfg: ImagesConfig, tree: _Tree,
+                log: Callable[[str], None]) -> dict:
+    from . import peers
+
+    B, W = cfg.batch_size, cfg.workers
+    image_bytes = _pipeline.OUTPUT_SIZE * _pipeline.OUTPUT_SIZE * 3 + 8
+    verifier = _Verifier(fmt)
+    names = list(cfg.transports)
+
+    # Fix the number of batches: --batches, or calibrate inline's single-core rate.
+    n_batches_max = _MAX_BATCHES
+    epochs_max = -(-n_batches_max * B // len(folder))
+    ds = _open_dataset(fmt, folder, cfg, epochs_max, log)
+    calib: dict[str, Any] = {}
+    if cfg.batches is not None:
+        n_batches = n_inline = cfg.batches
+    else:
+        with peers.open_transport("inline", ds, workers=0, seed=cfg.seed) as t:
+            done, spent = 0, 0.0
+            target = min(1.0, cfg.seconds / 4)
+            while done < 2 or spent < target:
+                k = done
+                wall, _ = _run_epoch(t, make_batches(len(folder), B, k + 1, cfg.seed)[k:], k,
+                                     verifier, "inline (calibration)", B, None)
+                if k > 0:  # the first batch warms caches
+                    spent += wall
+                done += 1
+                if done >= 64:
+                    break
+        r1 = (done - 1) * B / spent if spent > 0 else 1.0
+        per_worker = max(1, math.ceil(cfg.seconds * r1 / B))
+        n_batches = min(_MAX_BATCHES, per_worker * W)
+        n_inline = min(n_batches, max(1, math.ceil(cfg.seconds * r1 / B)))
+        calib = {"inline_images_per_s": r1, "batches": done}
+    batches = make_batches(len(folder), B, n_batches, cfg.seed)
+    warm = batches[:max(1, min(W, n_batches))]
+
+    fmt_report: dict[str, Any] = {
+        "batches_per_run": n_batches, "batches_per_run_inline": n_inline, "warmup_batches": len(warm),
+        "images_per_run": n_batches * B, "calibration": calib, "transports": {},
+    }
+    opened: dict[str, Any] = {}
+    pids: dict[str, set[int]] = {}
+    total_ticks = cfg.repeats * sum(n_inline if n == "inline" else n_batches for n in names)
+    bar = _data._tqdm(total=total_ticks, desc=f"{fmt}", unit="batch", disable=not cfg.progress)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    try:
+        for name in names:
+            before = tree.children()
+            bar.set_description_str(f"{fmt}: starting {name}")
+            workers = 0 if name == "inline" else W
+            opened[name] = peers.open_transport(name, ds, workers=workers, seed=cfg.seed,
+                                                prefetch=cfg.prefetch)
+            if name != "inline":
+                _run_epoch(opened[name], warm, 0, verifier, f"{name} (warm-up)", B, None)
+            pids[name] = tree.children() - before
+            if verifier.problems:
+                break
+        for rep in range(cfg.repeats):
+            if verifier.problems:
+                break
+            for name in names:
+                nb = n_inline if name == "inline" else n_batches
+                bar.set_description_str(f"{fmt}: {name} {rep + 1}/{cfg.repeats}")
+                tree.track(pids[name])
+                cpu0 = tree.cpu()
+                sampler = _PssSampler(tree)
+                sampler.start()
+                wall, wait = _run_epoch(opened[name], batches[:nb], 0, verifier,
+                                        f"{name} (repetition {rep + 1})", B, bar.update)
+                peak = sampler.stop()
+                cpu1 = tree.cpu()
+                images = nb * B
+                cpu_s = None
+                if cpu0 is not None and cpu1 is not None:
+                    cpu_s = sum(v - cpu0.get(pid, 0.0) for pid, v in cpu1.items())
+                runs[name].append({
+                    "repetition": rep + 1, "batches": nb, "images": images, "wall_s": wall,
+                    "wait_s": wait, "images_per_s": images / wall,
+                    "mb_per_s": images * image_bytes / wall / 1e6,
+                    "wait_pct": 100.0 * wait / wall,
+                    "cpu_s": cpu_s,
+                    "cpu_s_per_1k_images": None if cpu_s is None else 1000.0 * cpu_s / images,
+                    "peak_pss_mb": None if peak is None else peak / 1e6,
+                    "processes": 1 + len(pids[name]),
+                })
+                if verifier.problems:
+                    break
+    finally:
+        bar.close()
+        for t in opened.values():
+            try:
+                t.close()
+            except Exception:
+                pass
+
+    metrics = ("images_per_s", "mb_per_s", "wait_pct", "cpu_s_per_1k_images", "peak_pss_mb")
+    for name in names:
+        med = {m: _median([r[m] for r in runs[name]]) for m in metrics}
+        fmt_report["transports"][name] = {"runs": runs[name], "median": med}
+    _add_ratios(fmt_report, W)
+    fmt_report["verification"] = {
+        "batches_checked": len(verifier.ref),
+        "ok": not verifier.problems,
+        "problems": verifier.problems[:50],
+        "checksums": [f"{verifier.ref[k][0]:08x}" for k in sorted(verifier.ref)][:n_batches],
+    }
+    return fmt_report
+
+
+def _add_ratios(fmt_report: dict, workers: int) -> None:
+    ts = fmt_report["transports"]
+
+    def rate(name: str) -> float | None:
+        return ts.get(name, {}).get("median", {}).get("images_per_s")
+
+    inline = rate("inline")
+    for name, rec in ts.items():
+        r = rate(name)
+        rec["x_pickle"] = r / rate("pickle") if r and rate("pickle") else None
+        rec["x_torch"] = r / rate("torch") if r and rate("torch") else None
+        rec["scaling_efficiency"] = (r / (workers * inline)
+                                     if r and inline and name != "inline" else None)
+
+
+def _targets(report: dict) -> list[dict]:
+    out = []
+    for fmt, peer, want in TARGETS:
+        ts = report["formats"].get(fmt, {}).get("transports", {})
+        if "mploader" not in ts or peer not in ts:
+            continue
+        got = ts["mploader"][f"x_{peer}"]
+        out.append({"format": fmt, "peer": peer, "metric": "images/s ratio", "target": want,
+                    "measured": got, "met": got is not None and got >= want})
+        if fmt == "jpeg":
+            m, p = ts["mploader"]["median"], ts[peer]["median"]
+            for metric, label in (("cpu_s_per_1k_images", "CPU s / 1k images"),
+                                  ("wait_pct", "consumer wait %")):
+                if m[metric] is not None and p[metric] is not None:
+                    out.append({"format": fmt, "peer": peer, "metric": f"{label} lower",
+                                "target": p[metric], "measured": m[metric],
+                                "met": m[metric] < p[metric]})
+    return out
+
+
+def run(cfg: ImagesConfig, *, console: Any = None, out_dir: str | os.PathLike | None = None,
+        log: Callable[[str], None] | None = None) -> dict:
+    """Run the images benchmark, print its tables, write JSON and PNG.
+
+    Parameters
+    ----------
+    cfg : ImagesConfig
+        What to run.
+    console : rich.console.Console, optional
+        Where to print the tables (default a new console on stdout).
+    out_dir : path, optional
+        Directory for ``images-<time>.json``, ``images-latest.json``,
+        ``images-<time>.png`` and ``images-latest.png``; None writes nothing.
+    log : callable, optional
+        Called with progress lines (default: print to the console).
+
+    Returns
+    -------
+    dict
+        The report: ``config``, ``machine``, ``decoder``, ``data``,
+        ``formats`` (per format: ``batches_per_run``, ``transports`` with
+        ``runs``, ``median``, ``x_pickle``, ``x_torch``,
+        ``scaling_efficiency``; ``verification``), ``targets`` and, when
+        written, ``json_path`` and ``png_path``.
+
+    Raises
+    ------
+    mploader._bench.data.DataError
+        If the data cannot be built or read.
+    VerificationError
+        If any batch differs between transports or repetitions (after the JSON
+        is written); ``.results`` holds the report.
+    """
+    from .transport import machine_info
+
+    console = console if console is not None else _console()
+    if log is None:
+        def log(line: str) -> None:
+            _print(console, line)
+
+    started = _dt.datetime.now(_dt.timezone.utc)
+    if cfg.data is None:
+        root = _data.ensure_default_data(cfg.cache_dir, count=cfg.count, seed=cfg.seed,
+                                         progress=cfg.progress, log=log)
+    else:
+        root = cfg.data
+    folder = _data.scan_imagefolder(root, what="argument --data: folder")
+    decoder = _pipeline.decoder_info()
+    report: dict[str, Any] = {
+        "suite": SUITE,
+        "schema_version": SCHEMA_VERSION,
+        "started_utc": started.isoformat(timespec="seconds"),
+        "config": asdict(cfg),
+        "machine": machine_info(with_torch="torch" in cfg.transports),
+        "decoder": decoder,
+        "data": {"root": folder.root, "images": len(folder), "classes": len(folder.classes),
+                 "file_bytes": folder.bytes, "default": cfg.data is None},
+        "pipeline": {"output": [_pipeline.OUTPUT_SIZE, _pipeline.OUTPUT_SIZE, 3],
+                     "scale": list(_pipeline.SCALE), "ratio": list(_pipeline.RATIO),
+                     "jpeg_resample": "bilinear (Pillow, antialiased)",
+                     "raw_resample": "nearest (gather)", "raw_size": _data.RAW_SIZE,
+                     "flip_p": 0.5, "consumer": "float32 mean of channel 0, normalised; "
+                                                "crc32 of images + labels"},
+        "formats": {},
+    }
+    log(f"images benchmark: {len(folder)} images in {len(folder.classes)} classes from "
+        f"{folder.root}; decoder Pillow {decoder['version']} (libjpeg {decoder['libjpeg']}"
+        f"{', turbo' if decoder['libjpeg_turbo'] else ''}); {cfg.workers} workers, batch "
+        f"{cfg.batch_size}, transports {', '.join(cfg.transports)}")
+    # torch's default collate warns (once per worker) that the samples, read-only
+    # views of Pillow images, are not writable; it only reads them.
+    warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    tree = _Tree()
+    problems: list[str] = []
+    for fmt in cfg.formats:
+        fr = _run_format(fmt, folder, cfg, tree, log)
+        report["formats"][fmt] = fr
+        problems += fr["verification"]["problems"]
+        if problems:
+            break
+    report["targets"] = _targets(report)
+    report["verification"] = {"ok": not problems, "problems": problems[:50]}
+    report["finished_utc"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    print_tables(report, console)
+    if out_dir is not None:
+        stamp = started.astimezone().strftime("%Y%m%d-%H%M%S")
+        report["json_path"] = str(write_json(report, Path(out_dir), stamp))
+        png = plot_png(report, Path(out_dir), stamp)
+        if png is not None:
+            report["png_path"] = str(png)
+            write_json(report, Path(out_dir), stamp)
+        log(f"wrote {report['json_path']}" + (f" and {png}" if png else ""))
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise VerificationError(f"batches differ between transports: {problems[0]}{more}", report)
+    return report
+
+
+# --------------------------------------------------------------------------
+# output
+
+
+def write_json(report: dict, out_dir: Path, stamp: str) -> Path:
+    """Write ``images-<stamp>.json`` and ``images-latest.json`` in `out_dir`; returns the first."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(report, indent=2, default=str) + "\n"
+    path = out_dir / f"{SUITE}-{stamp}.json"
+    path.write_text(text)
+    (out_dir / f"{SUITE}-latest.json").write_text(text)
+    return path
+
+
+def _console() -> Any:
+    try:
+        from rich.console import Console
+    except ImportError:  # pragma: no cover
+        return None
+    c = Console()
+    return c if c.is_terminal else Console(width=132)
+
+
+def _print(console: Any, text: str) -> None:
+    if console is None:
+        print(text, flush=True)
+    else:
+        console.print(text, markup=False, highlight=False)
+
+
+def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{suffix}"
+
+
+def print_tables(report: dict, console: Any) -> None:
+    """Print one table per format (rich if available) and the targets."""
+    cfg = report["config"]
+    rows_by_fmt = {}
+    for fmt, fr in report["formats"].items():
+        rows = []
+        for name, rec in fr["transports"].items():
+            m = rec["median"]
+            rows.append([name, _fmt(m["images_per_s"], ",.0f"), _fmt(m["mb_per_s"], ",.0f"),
+                         _fmt(m["wait_pct"], ".1f"), _fmt(m["cpu_s_per_1k_images"], ".2f"),
+                         _fmt(m["peak_pss_mb"], ",.0f"), _fmt(rec["x_pickle"], ".2f", "x"),
+                         _fmt(rec["x_torch"], ".2f", "x"),
+                         _fmt(None if rec["scaling_efficiency"] is None
+                              else 100 * rec["scaling_efficiency"], ".0f", "%")])
+        rows_by_fmt[fmt] = rows
+    header = ["transport", "images/s", "MB/s", "wait %", "CPU s/1k img", "peak PSS MB",
+              "x pickle", "x torch", "scaling"]
+    for fmt, rows in rows_by_fmt.items():
+        fr = report["formats"][fmt]
+        title = (f"images · {fmt} · {cfg['workers']} workers · batch {cfg['batch_size']} · "
+                 f"{fr['batches_per_run']} batches/run (inline {fr['batches_per_run_inline']}) · "
+                 f"median of {cfg['repeats']}")
+        ok = fr["verification"]["ok"]
+        caption = (f"checksums: {fr['verification']['batches_checked']} batches identical across "
+                   f"transports and repetitions" if ok else "checksums: MISMATCH")
+        try:
+            from rich.table import Table
+        except ImportError:
+            Table = None
+        if Table is not None and console is not None and hasattr(console, "print"):
+            table = Table(title=title, caption=caption)
+            for i, h in enumerate(header):
+                table.add_column(h, justify="left" if i == 0 else "right")
+            for row in rows:
+                style = "bold" if row[0] == "mploader" else None
+                table.add_row(*row, style=style)
+            console.print(table)
+        else:
+            _print(console, title)
+            _print(console, "  ".join(f"{h:>12}" for h in header))
+            for row in rows:
+                _print(console, "  ".join(f"{c:>12}" for c in row))
+            _print(console, caption)
+    for t in report.get("targets", []):
+        if t["metric"] == "images/s ratio":
+            what = (f"mploader {_fmt(t['measured'], '.2f', 'x')} {t['peer']} images/s "
+                    f"(target >= {t['target']:g}x)")
+        else:
+            what = (f"mploader {t['metric'].replace(' lower', '')} {_fmt(t['measured'], '.2f')} "
+                    f"vs {t['peer']} {_fmt(t['target'], '.2f')} (target: lower)")
+        _print(console, f"target {t['format']}: {what}: {'met' if t['met'] else 'MISSED'}")
+
+
+def plot_png(report: dict, out_dir: Path, stamp: str) -> Path | None:
+    """Bar chart of median images/s per transport, one panel per format.
+
+    Error bars span the repetitions' minimum to maximum; each bar is labelled
+    with its rate and ratio to pickle.  Writes ``images-<stamp>.png`` and
+    ``images-latest.png``; returns the first, or None without matplotlib.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fmts = list(report["formats"])
+    if not fmts:
+        return None
+    cfg = report["config"]
+    colors = {"mploader": "#1f77b4", "pickle": "#d62728", "torch": "#ff7f0e",
+              "inline": "#7f7f7f", "queue": "#2ca02c"}
+    fig, axes = plt.subplots(1, len(fmts), figsize=(5.2 * len(fmts), 4.2), squeeze=False)
+    for ax, fmt in zip(axes[0], fmts):
+        ts = report["formats"][fmt]["transports"]
+        names = list(ts)
+        med = [ts[n]["median"]["images_per_s"] or 0.0 for n in names]
+        lo = [med[i] - min((r["images_per_s"] for r in ts[n]["runs"]), default=med[i])
+              for i, n in enumerate(names)]
+        hi = [max((r["images_per_s"] for r in ts[n]["runs"]), default=med[i]) - med[i]
+              for i, n in enumerate(names)]
+        bars = ax.bar(names, med, yerr=[lo, hi], capsize=4,
+                      color=[colors.get(n, "#9467bd") for n in names])
+        for b, n, v in zip(bars, names, med):
+            xp = ts[n]["x_pickle"]
+            label = f"{v:,.0f}" + (f"\n{xp:.2f}x pickle" if xp and n != "pickle" else "")
+            ax.annotate(label, (b.get_x() + b.get_width() / 2, b.get_height()),
+                        ha="center", va="bottom", fontsize=8, xytext=(0, 3),
+                        textcoords="offset points")
+        ax.set_title(f"{fmt}" + (" (JPEG decode + crop + flip)" if fmt == "jpeg"
+                                 else " (pre-decoded 256², crop + flip)"), fontsize=10)
+        ax.set_ylabel("images / s (higher is better)")
+        ax.set_ylim(0, max(med + [1.0]) * 1.25)
+        ax.grid(axis="y", alpha=0.3)
+    m = report["machine"]
+    fig.suptitle(f"mploader bench images: {cfg['workers']} workers, batch {cfg['batch_size']}, "
+                 f"224x224x3 uint8 — {m.get('cpu_model', '?')}, {m.get('usable_cores', '?')} cores",
+                 fontsize=10)
+    fig.tight_layout()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{SUITE}-{stamp}.png"
+    fig.savefig(path, dpi=110)
+    fig.savefig(out_dir / f"{SUITE}-latest.png", dpi=110)
+    plt.close(fig)
+    return path
