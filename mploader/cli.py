@@ -145,24 +145,6 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
                          f"or jpeg,raw")
     formats = [f for f in images.FORMATS if f in formats]
 
-    from ._bench import peers
-
-    available = peers.available_transports()
-    if args.transports is None:
-        transports = [t for t in images.IMAGE_TRANSPORTS if t in available]
-    else:
-        transports = list(dict.fromkeys(_split(args.transports)))
-        if not transports:
-            raise UsageError(f"argument --transports: invalid value {args.transports!r}: "
-                             f"expected a comma-separated list of {', '.join(peers.TRANSPORTS)}")
-        for t in transports:
-            if t not in peers.TRANSPORTS:
-                raise UsageError(f"argument --transports: unknown transport {t!r}: expected "
-                                 f"some of {', '.join(peers.TRANSPORTS)}")
-            if t not in available:
-                raise UsageError(f"argument --transports: transport {t!r} is not available here "
-                                 f"(is torch installed? pip install 'mploader[bench]')")
-
     folder = None
     if args.data is not None and args.suite in ("images", "all"):
         try:
@@ -179,6 +161,24 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
         if os.path.exists(cd) and not os.path.isdir(cd):
             raise UsageError(f"argument --cache-dir: {args.cache_dir!r} exists and is not a "
                              f"directory")
+    from ._bench import peers
+
+    if args.transports is None:
+        available = peers.available_transports()
+        transports = [t for t in images.IMAGE_TRANSPORTS if t in available]
+    else:
+        transports = list(dict.fromkeys(_split(args.transports)))
+        if not transports:
+            raise UsageError(f"argument --transports: invalid value {args.transports!r}: "
+                             f"expected a comma-separated list of {', '.join(peers.TRANSPORTS)}")
+        for t in transports:
+            if t not in peers.TRANSPORTS:
+                raise UsageError(f"argument --transports: unknown transport {t!r}: expected "
+                                 f"some of {', '.join(peers.TRANSPORTS)}")
+            if t == "torch" and "torch" not in peers.available_transports():
+                raise UsageError(f"argument --transports: transport {t!r} is not available here "
+                                 f"(is torch installed? pip install 'mploader[bench]')")
+
     return {"formats": formats, "transports": transports, "folder": folder, "out": out}
 
 

@@ -768,16 +768,16 @@ def plot_png(report: dict, out_dir: Path, stamp: str) -> Path | None:
               for i, n in enumerate(names)]
         bars = ax.bar(names, med, yerr=[lo, hi], capsize=4,
                       color=[colors.get(n, "#9467bd") for n in names])
-        for b, n, v in zip(bars, names, med):
+        for b, n, v, up in zip(bars, names, med, hi):
             xp = ts[n]["x_pickle"]
             label = f"{v:,.0f}" + (f"\n{xp:.2f}x pickle" if xp and n != "pickle" else "")
-            ax.annotate(label, (b.get_x() + b.get_width() / 2, b.get_height()),
+            ax.annotate(label, (b.get_x() + b.get_width() / 2, v + up),
                         ha="center", va="bottom", fontsize=8, xytext=(0, 3),
                         textcoords="offset points")
         ax.set_title(f"{fmt}" + (" (JPEG decode + crop + flip)" if fmt == "jpeg"
                                  else " (pre-decoded 256², crop + flip)"), fontsize=10)
         ax.set_ylabel("images / s (higher is better)")
-        ax.set_ylim(0, max(med + [1.0]) * 1.25)
+        ax.set_ylim(0, max([m + h for m, h in zip(med, hi)] + [1.0]) * 1.25)
         ax.grid(axis="y", alpha=0.3)
     m = report["machine"]
     fig.suptitle(f"mploader bench images: {cfg['workers']} workers, batch {cfg['batch_size']}, "
