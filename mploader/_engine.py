@@ -25,7 +25,7 @@ import sys
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -263,7 +263,7 @@ class Engine:
         self._slot_hint = 0
         self._stale: list[_Task] = []
         self._stale_pipe: set[int] = set()
-        self._run_token = 0
+        self._current: Run | None = None
         self._warned_full = False
         self._closed = False
         self._stats = collections.Counter()
@@ -338,51 +338,18 @@ class Engine:
 
     # ---- running ----
 
-    def run(self, tasks: Iterable[Task]) -> Iterator[Any]:
-        """Yield the batch of each task, in task order, with ``prefetch`` in flight.
+    def run(self, tasks: Iterable[Task]) -> "Run":
+        """An iterator over the batch of each task, in task order, ``prefetch`` in flight.
 
-        Raises
-        ------
-        WorkerError
-            A worker died; the workers are restarted at the next ``run``.
-        TimeoutError
-            A batch took longer than ``timeout_s``.
-        Exception
-            Whatever ``dataset[i]`` or batchify raised, with the batch's indices and
-            the worker's traceback attached (see :func:`rebuild_error`).
+        Starting a run supersedes the previous one: its batches in flight are
+        discarded (their slots freed as they complete) and its ``next()`` raises
+        RuntimeError.  See :class:`Run` for the errors raised.
         """
         self._start()
-        self._run_token += 1
-        token = self._run_token
-        inflight: collections.deque[_Task] = collections.deque()
-        source = iter(tasks)
-        exhausted = False
-        try:
-            while True:
-                if token != self._run_token:
-                    raise RuntimeError("this iterator was superseded by a newer iteration of the same loader")
-                self._reap_stale()
-                while not exhausted and len(inflight) < self.prefetch:
-                    t = next(source, None)
-                    if t is None:
-                        exhausted = True
-                        break
-                    inflight.append(self._dispatch(*t))
-                if not inflight:
-                    return
-                task = inflight.popleft()
-                try:
-                    batch = self._receive(task)
-                except (WorkerError, TimeoutError):
-                    inflight.clear()
-                    self._fail()
-                    raise
-                yield batch
-                del batch
-        finally:
-            for t in inflight:
-                t.stale = True
-                self._stale.append(t)
+        if self._current is not None:
+            self._current._abandon()
+        self._current = Run(self, tasks)
+        return self._current
 
     def _dispatch(self, epoch: int, batch_index: int, indices: Any) -> _Task:
         res = self._res
@@ -572,6 +539,74 @@ class Engine:
         self._stale = keep
 
 
+class Run:
+    """One pass over a task stream (an epoch) on an :class:`Engine`.
+
+    ``next()`` returns the next batch in task order.  An exception raised by
+    ``dataset[i]`` or batchify consumes only its own batch: the next call goes on
+    with the following one, as torch's DataLoader does.
+
+    Raises
+    ------
+    WorkerError
+        A worker died; the run ends and workers are restarted by the next run.
+    TimeoutError
+        A batch took longer than the engine's ``timeout_s``; the run ends.
+    RuntimeError
+        The run was superseded by a newer one, or the engine was closed.
+    Exception
+        Whatever ``dataset[i]`` or batchify raised, with the batch's indices and the
+        worker's traceback attached (see :func:`rebuild_error`).
+    """
+
+    def __init__(self, engine: Engine, tasks: Iterable[Task]) -> None:
+        self._engine = engine
+        self._source = iter(tasks)
+        self._inflight: collections.deque[_Task] = collections.deque()
+        self._exhausted = False
+        self._done = False
+        self._superseded = False
+
+    def __iter__(self) -> "Run":
+        return self
+
+    def __next__(self) -> Any:
+        engine = self._engine
+        if self._superseded:
+            raise RuntimeError("this iterator was superseded by a newer iteration of the same loader")
+        if self._done:
+            raise StopIteration
+        if engine.closed:
+            self._done = True
+            raise RuntimeError("the loader is closed")
+        engine._reap_stale()
+        inflight = self._inflight
+        while not self._exhausted and len(inflight) < engine.prefetch:
+            t = next(self._source, None)
+            if t is None:
+                self._exhausted = True
+                break
+            inflight.append(engine._dispatch(*t))
+        if not inflight:
+            self._done = True
+            raise StopIteration
+        task = inflight.popleft()
+        try:
+            return engine._receive(task)
+        except (WorkerError, TimeoutError):
+            inflight.clear()
+            self._done = True
+            engine._fail()
+            raise
+
+    def _abandon(self) -> None:
+        self._superseded = True
+        for t in self._inflight:
+            t.stale = True
+            self._engine._stale.append(t)
+        self._inflight.clear()
+
+
 def _drop_siblings(res: _Resources) -> None:
     """In a child of ``res``: close the parent's ends of the sibling workers' pipes."""
     for w in res.workers:
@@ -582,51 +617,81 @@ def _drop_siblings(res: _Resources) -> None:
             pass
 
 
-def run_inline(dataset: Any, fetch: Callable, tasks: Iterable[Task], seed: int) -> Iterator[Any]:
-    """``num_workers=0``: load each batch in the calling process, seeding the RNGs as a
-    worker would and restoring the caller's RNG state afterwards."""
-    torch = sys.modules.get("torch")
-    for epoch, batch_index, indices in tasks:
+class InlineRun:
+    """``num_workers=0``: load each batch in the calling process when asked for.
+
+    The RNGs are seeded as a worker would seed them and the caller's RNG states are
+    restored after each batch.  An exception consumes only its own batch.
+    """
+
+    def __init__(self, dataset: Any, fetch: Callable, tasks: Iterable[Task], seed: int) -> None:
+        self._dataset = dataset
+        self._fetch = fetch
+        self._source = iter(tasks)
+        self._seed = seed
+
+    def __iter__(self) -> "InlineRun":
+        return self
+
+    def __next__(self) -> Any:
+        epoch, batch_index, indices = next(self._source)
+        torch = sys.modules.get("torch")
         saved = (random.getstate(), np.random.get_state(),
                  torch.random.get_rng_state() if torch is not None else None)
         try:
-            seed_rngs(batch_seed(seed, epoch, batch_index))
-            batch = fetch(dataset, indices, np.empty)
+            seed_rngs(batch_seed(self._seed, epoch, batch_index))
+            return self._fetch(self._dataset, indices, np.empty)
         finally:
             random.setstate(saved[0])
             np.random.set_state(saved[1])
             if saved[2] is not None:
                 torch.random.set_rng_state(saved[2])
-        yield batch
 
 
-def run_threads(dataset: Any, fetch: Callable, tasks: Iterable[Task], num_workers: int, prefetch: int,
-                timeout_s: float | None) -> Iterator[Any]:
+class ThreadRun:
     """``thread_pool=True``: load batches on a thread pool; plain arrays, no ring.
 
-    The process-wide RNGs are not reseeded per batch (threads share them).
+    The process-wide RNGs are not reseeded per batch (the threads share them).  The
+    pool lives as long as this run; ``close()`` (or exhaustion) shuts it down.
     """
-    pool = concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="mploader")
-    pending: collections.deque = collections.deque()
-    source = iter(tasks)
-    try:
-        while True:
-            while len(pending) < max(1, prefetch):
-                t = next(source, None)
-                if t is None:
-                    break
-                pending.append((t, pool.submit(fetch, dataset, t[2], np.empty)))
-            if not pending:
-                return
-            t, fut = pending.popleft()
-            try:
-                batch = fut.result(timeout=timeout_s or None)
-            except concurrent.futures.TimeoutError:
-                raise TimeoutError(f"batch {t[1]} of epoch {t[0]} (sample indices {t[2]!r}) took more than "
-                                   f"{timeout_s} s in a pool thread") from None
-            yield batch
-    finally:
-        for _, fut in pending:
-            fut.cancel()
-        pool.shutdown(wait=False, cancel_futures=True)
 
+    def __init__(self, dataset: Any, fetch: Callable, tasks: Iterable[Task], num_workers: int, prefetch: int,
+                 timeout_s: float | None) -> None:
+        self._dataset = dataset
+        self._fetch = fetch
+        self._source = iter(tasks)
+        self._prefetch = max(1, prefetch)
+        self._timeout_s = timeout_s or None
+        self._pool = concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="mploader")
+        self._pending: collections.deque = collections.deque()
+        self._finalizer = weakref.finalize(self, _shutdown_pool, self._pool, self._pending)
+
+    def __iter__(self) -> "ThreadRun":
+        return self
+
+    def __next__(self) -> Any:
+        pending = self._pending
+        while len(pending) < self._prefetch:
+            t = next(self._source, None)
+            if t is None:
+                break
+            pending.append((t, self._pool.submit(self._fetch, self._dataset, t[2], np.empty)))
+        if not pending:
+            self.close()
+            raise StopIteration
+        t, fut = pending.popleft()
+        try:
+            return fut.result(timeout=self._timeout_s)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"batch {t[1]} of epoch {t[0]} (sample indices {t[2]!r}) took more than "
+                               f"{self._timeout_s} s in a pool thread") from None
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _shutdown_pool(pool: concurrent.futures.ThreadPoolExecutor, pending: collections.deque) -> None:
+    for _, fut in pending:
+        fut.cancel()
+    pending.clear()
+    pool.shutdown(wait=False, cancel_futures=True)

@@ -186,10 +186,10 @@ class DataLoader:
         if self._engine is not None:
             gen = self._engine.run(tasks)
         elif self._thread_pool and self._num_workers > 0:
-            gen = _engine.run_threads(self._dataset, self._fetch, tasks, self._num_workers, self._prefetch,
-                                      self._timeout)
+            gen = _engine.ThreadRun(self._dataset, self._fetch, tasks, self._num_workers, self._prefetch,
+                                    self._timeout)
         else:
-            gen = _engine.run_inline(self._dataset, self._fetch, tasks, self._seed)
+            gen = _engine.InlineRun(self._dataset, self._fetch, tasks, self._seed)
         return _LoaderIter(gen, len(self), self._engine)
 
     def stats(self) -> dict:
