@@ -382,21 +382,16 @@ class Engine:
 
     def _receive(self, task: _Task) -> Any:
         region = self._res.region
-        waited = 0.0
         start = time.monotonic()
         warned = False
         while True:
             if task.slot >= 0:
-                if region.wait(task.slot, 0 if waited == 0 else POLL_S):
+                if region.wait(task.slot, POLL_S):
                     break
-            else:
-                if task.seq in task.worker.mailbox or self._pump(task.worker, POLL_S if waited else 0):
-                    if task.seq in task.worker.mailbox:
-                        break
+            elif task.seq in task.worker.mailbox or (self._pump(task.worker, POLL_S)
+                                                      and task.seq in task.worker.mailbox):
+                break
             waited = time.monotonic() - start
-            if waited == 0:
-                waited = 1e-9
-                continue
             if self._closed:
                 raise RuntimeError("the loader was closed while waiting for a batch")
             self._check_health(task)
@@ -423,7 +418,7 @@ class Engine:
             region.release(task.slot)
             while task.seq not in task.worker.mailbox:
                 if not self._pump(task.worker, POLL_S):
-                    self._check_health(task, expect_exit=False)
+                    self._check_health(task)
             return self._from_pipe(task)
         lease = region.lease(task.slot)
         if kind == _ring.KIND_ERROR:
@@ -475,7 +470,7 @@ class Engine:
             pass
         return got
 
-    def _check_health(self, task: _Task, expect_exit: bool = True) -> None:
+    def _check_health(self, task: _Task) -> None:
         """Raise WorkerError if a worker that owes us a batch has died."""
         res = self._res
         fds = [w.pidfd for w in res.workers if w.status is None]
