@@ -302,6 +302,7 @@ def machine_info(with_torch: bool = True) -> dict[str, Any]:
         "torch": None,
         "mploader": None,
         "git_commit": _git_commit(),
+        "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     try:
         import psutil
@@ -346,8 +347,39 @@ class _Batches:
         return self._list[:n]
 
 
-def _time_epoch(t: Any, batches: list[list[int]]) -> tuple[float, float, int]:
-    """Consume one epoch; returns (wall seconds, parent CPU seconds, batches)."""
+def _children_cpu() -> tuple[list, float]:
+    """This process's descendants and their summed user+system CPU seconds."""
+    try:
+        import psutil
+    except ImportError:
+        return [], float("nan")
+    kids = psutil.Process().children(recursive=True)
+    return kids, _cpu_of(kids)
+
+
+def _cpu_of(procs: list) -> float:
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except Exception:  # exited meanwhile
+            pass
+    return total
+
+
+def _time_epoch(t: Any, batches: list[list[int]], *, workers_cpu: bool = False
+                ) -> tuple[float, float, int, float | None]:
+    """Consume one epoch.
+
+    Returns
+    -------
+    tuple
+        (wall seconds, parent CPU seconds, batches, worker CPU seconds or None);
+        the worker CPU is the summed CPU of all descendant processes, measured
+        only when `workers_cpu` is true.
+    """
+    kids, k0 = _children_cpu() if workers_cpu else ([], 0.0)
     count = 0
     b = None
     c0 = time.process_time()
@@ -357,9 +389,12 @@ def _time_epoch(t: Any, batches: list[list[int]]) -> tuple[float, float, int]:
     t1 = time.perf_counter()
     c1 = time.process_time()
     b = None
+    wcpu = _cpu_of(kids) - k0 if workers_cpu else None
+    if wcpu is not None and math.isnan(wcpu):
+        wcpu = None
     if count != len(batches):
         raise RuntimeError(f"{t.name}: got {count} batches, expected {len(batches)}")
-    return t1 - t0, c1 - c0, count
+    return t1 - t0, c1 - c0, count, wcpu
 
 
 def _check_batch(name: str, batch: Any, want: Any) -> None:
@@ -415,6 +450,14 @@ def _fmt_rate(x: float | None) -> str:
     if x >= 10:
         return f"{x:.1f}"
     return f"{x:.2f}"
+
+
+def _fmt_cpu(parent: float | None, workers: float | None) -> str:
+    def us(x: float) -> str:
+        return f"{x * 1e6:,.0f}" if x * 1e6 >= 10 else f"{x * 1e6:.1f}"
+    if parent is None:
+        return "-"
+    return us(parent) if workers is None else f"{us(parent)}+{us(workers)}"
 
 
 def _fmt_ratio(x: float | None) -> str:
@@ -506,6 +549,10 @@ def run(*, workers: int = 2, repeats: int = 5, seconds: float = DEFAULT_SECONDS,
         out.line(f"transport benchmark: {m['cpu_model']}, {m['usable_cores']} usable cores, "
                  f"python {m['python']}, numpy {m['numpy']}, torch {m['torch']}; "
                  f"workers={workers}, repeats={repeats}, ~{seconds:g} s per run")
+    load = m.get("load_avg")
+    if load and m["usable_cores"] and load[0] > 0.5 * m["usable_cores"]:
+        out.line(f"note: load average {load[0]:.2f} on {m['usable_cores']} cores before the run; "
+                 "other work on the machine will depress and scatter the rates")
 
     for size in sizes:
         _run_size(size, names, report, out, workers=workers, repeats=repeats,
@@ -513,6 +560,8 @@ def run(*, workers: int = 2, repeats: int = 5, seconds: float = DEFAULT_SECONDS,
 
     _summarise(report)
     report["elapsed_s"] = round(time.time() - started, 3)
+    if hasattr(os, "getloadavg"):
+        report["machine"]["load_avg_end"] = list(os.getloadavg())
     _print_report(report, out)
     if out_dir is not None:
         path = _write_json(report, Path(out_dir))
@@ -554,7 +603,7 @@ def _run_size(size: str, names: list[str], report: dict, out: _Out, *, workers: 
                 _time_epoch(t, warm)  # warm-up
                 k = len(warm)
                 while True:  # doubling calibration epochs until one lasts long enough
-                    wall, _, _ = _time_epoch(t, batches.take(k))
+                    wall, _, _, _ = _time_epoch(t, batches.take(k))
                     if wall >= _CALIBRATE_SECONDS or k >= _MAX_BATCHES:
                         break
                     k = min(_MAX_BATCHES, k * 2 if wall <= 0 else
@@ -576,7 +625,7 @@ def _run_size(size: str, names: list[str], report: dict, out: _Out, *, workers: 
             for name, t in list(live.items()):
                 gc.collect()
                 try:
-                    wall, cpu, n = _time_epoch(t, batches.take(counts[name]))
+                    wall, cpu, n, wcpu = _time_epoch(t, batches.take(counts[name]), workers_cpu=True)
                 except Exception as exc:
                     errors[name] = f"repeat {rep}: {type(exc).__name__}: {exc}"
                     out.line(f"[{size}] {name}: failed ({errors[name]})")
@@ -584,8 +633,8 @@ def _run_size(size: str, names: list[str], report: dict, out: _Out, *, workers: 
                     continue
                 bps = n / wall
                 report["runs"].append(dict(size=size, transport=name, repeat=rep, batches=n,
-                                           seconds=wall, parent_cpu_s=cpu, batches_per_s=bps,
-                                           gb_per_s=bps * nbytes / 1e9))
+                                           seconds=wall, parent_cpu_s=cpu, workers_cpu_s=wcpu,
+                                           batches_per_s=bps, gb_per_s=bps * nbytes / 1e9))
                 rates.append(f"{name} {_fmt_rate(bps)}")
             if not quiet:
                 out.line(f"[{size}] repeat {rep + 1}/{repeats}: " + ", ".join(rates) + " batches/s")
@@ -603,7 +652,10 @@ def _summarise(report: dict) -> None:
         report["medians"].setdefault(size, {})[name] = dict(
             batches_per_s=_median(bps), gb_per_s=_median(gbs), min_batches_per_s=min(bps),
             max_batches_per_s=max(bps), parent_cpu_per_batch_s=_median(
-                [r["parent_cpu_s"] / r["batches"] for r in rs]), repeats=len(rs))
+                [r["parent_cpu_s"] / r["batches"] for r in rs]),
+            workers_cpu_per_batch_s=_median(
+                [r["workers_cpu_s"] / r["batches"] for r in rs if r["workers_cpu_s"] is not None]),
+            repeats=len(rs))
     for size, meds in report["medians"].items():
         if "mploader" not in meds:
             continue
@@ -628,21 +680,23 @@ def _summarise(report: dict) -> None:
 
 def _print_report(report: dict, out: _Out) -> None:
     cfg = report["config"]
+    # "ref": REFERENCE; "CPU us/batch": parent + all workers, CPU microseconds per batch
     header = ["size", "transport", "batches/s", "GB/s", "min-max batches/s",
-              "ref batches/s", "mploader x"]  # "ref": REFERENCE
+              "CPU us/batch", "ref batches/s", "mploader x"]
     rows = []
     for size in cfg["sizes"]:
         meds = report["medians"].get(size, {})
         for name in cfg["transports"]:
             if name not in meds:
                 err = report["errors"].get(size, {}).get(name)
-                rows.append([size, name, "error" if err else "-", "-", "-", "-", "-"])
+                rows.append([size, name, "error" if err else "-"] + ["-"] * (len(header) - 3))
                 continue
             m = meds[name]
             ref = REFERENCE.get(size, {}).get(name)
             ratio = report["ratios"].get(size, {}).get(name)
             rows.append([size, name, _fmt_rate(m["batches_per_s"]), f"{m['gb_per_s']:.3f}",
                          f"{_fmt_rate(m['min_batches_per_s'])}-{_fmt_rate(m['max_batches_per_s'])}",
+                         _fmt_cpu(m["parent_cpu_per_batch_s"], m["workers_cpu_per_batch_s"]),
                          _fmt_rate(ref) if ref else "", _fmt_ratio(ratio) if ratio else ""])
     title = (f"transport benchmark: medians of {cfg['repeats']} repetitions, "
              f"{cfg['workers']} workers")
