@@ -264,6 +264,7 @@ class Engine:
         self._stale: list[_Task] = []
         self._stale_pipe: set[int] = set()
         self._current: Run | None = None
+        self._retired_pending = False
         self._warned_full = False
         self._closed = False
         self._stats = collections.Counter()
@@ -371,7 +372,12 @@ class Engine:
                     "further batches travel pickled through a pipe until some are released "
                     "(drop references to old batches, or pass copy=True)", RuntimeWarning, stacklevel=4)
         task = _Task(seq, slot, worker, epoch, batch_index, indices)
-        worker.conn.send_bytes(pickle.dumps((seq, slot, epoch, batch_index, indices), protocol=5))
+        try:
+            worker.conn.send_bytes(pickle.dumps((seq, slot, epoch, batch_index, indices), protocol=5))
+        except OSError:
+            if slot >= 0:
+                region.reclaim(slot)
+            self._raise_dead(worker)
         worker.outstanding.append(task)
         worker.sent += 1
         if self.maxtasksperchild and worker.sent >= self.maxtasksperchild:
@@ -449,10 +455,7 @@ class Engine:
         else:
             w.outstanding.remove(task)
         if w.retiring and not w.outstanding:
-            # Its last batch is in: the worker exits by itself; reap it when it has.
-            if _reap(w):
-                os.close(w.pidfd)
-                self._res.workers.remove(w)
+            self._retired_pending = True
 
     def _pump(self, w: _Worker, timeout_s: float) -> bool:
         """Move messages waiting on ``w``'s pipe into its mailbox; True if any arrived."""
@@ -471,28 +474,40 @@ class Engine:
         return got
 
     def _check_health(self, task: _Task) -> None:
-        """Raise WorkerError if a worker that owes us a batch has died."""
+        """Raise WorkerError if a worker died other than by retiring."""
         res = self._res
-        fds = [w.pidfd for w in res.workers if w.status is None]
-        if not fds:
-            dead = [w for w in res.workers if w.outstanding]
-        else:
-            ready, _, _ = select.select(fds, [], [], 0)
-            dead = [w for w in res.workers if w.pidfd in ready]
-        for w in dead:
-            _reap(w, block=True)
-            if w.retiring and not w.outstanding and os.WIFEXITED(w.status) and os.WEXITSTATUS(w.status) == 0:
+        alive = [w for w in res.workers if w.status is None]
+        ready, _, _ = select.select([w.pidfd for w in alive], [], [], 0) if alive else ([], [], [])
+        for w in alive:
+            if w.pidfd not in ready:
                 continue
+            _reap(w, block=True)
+            if w.retiring and os.WIFEXITED(w.status) and os.WEXITSTATUS(w.status) == 0:
+                continue  # retired after publishing all its batches (maxtasksperchild)
             # It may have published our batch just before dying.
             if w is task.worker and task.slot >= 0 and res.region.state(task.slot) == _ring.STATE_READY:
                 return
-            code, sig, how = _describe_exit(w.status)
-            held = w.outstanding[0] if w.outstanding else None
-            what = (f"while loading batch {held.seq} (sample indices {held.indices!r})" if held is not None
-                    else "while idle")
-            raise WorkerError(f"mploader worker {w.wid} (pid {w.pid}) {how} {what}", pid=w.pid, exitcode=code,
-                              signal=sig, batch=held.seq if held else None,
-                              indices=held.indices if held else None)
+            self._raise_dead(w)
+
+    def _raise_dead(self, w: _Worker) -> None:
+        _reap(w, block=True)
+        code, sig, how = _describe_exit(w.status)
+        held = w.outstanding[0] if w.outstanding else None
+        what = (f"while loading batch {held.seq} (sample indices {held.indices!r})" if held is not None
+                else "while idle")
+        raise WorkerError(f"mploader worker {w.wid} (pid {w.pid}) {how} {what}", pid=w.pid, exitcode=code,
+                          signal=sig, batch=held.seq if held else None,
+                          indices=held.indices if held else None)
+
+    def _reap_retired(self) -> None:
+        """Forget retired workers that have delivered everything and exited."""
+        res = self._res
+        for w in [w for w in res.workers if w.retiring and not w.outstanding]:
+            if _reap(w):
+                os.close(w.pidfd)
+                res.workers.remove(w)
+            else:
+                self._retired_pending = True
 
     def _fail(self) -> None:
         """After a dead or stuck worker: stop all workers, free every slot they held."""
@@ -574,22 +589,24 @@ class Run:
         if engine.closed:
             self._done = True
             raise RuntimeError("the loader is closed")
-        engine._reap_stale()
-        inflight = self._inflight
-        while not self._exhausted and len(inflight) < engine.prefetch:
-            t = next(self._source, None)
-            if t is None:
-                self._exhausted = True
-                break
-            inflight.append(engine._dispatch(*t))
-        if not inflight:
-            self._done = True
-            raise StopIteration
-        task = inflight.popleft()
         try:
-            return engine._receive(task)
+            engine._reap_stale()
+            if engine._retired_pending:
+                engine._retired_pending = False
+                engine._reap_retired()
+            inflight = self._inflight
+            while not self._exhausted and len(inflight) < engine.prefetch:
+                t = next(self._source, None)
+                if t is None:
+                    self._exhausted = True
+                    break
+                inflight.append(engine._dispatch(*t))
+            if not inflight:
+                self._done = True
+                raise StopIteration
+            return engine._receive(inflight.popleft())
         except (WorkerError, TimeoutError):
-            inflight.clear()
+            self._inflight.clear()
             self._done = True
             engine._fail()
             raise
