@@ -1,0 +1,1439 @@
+/*
+ * Standalone C11 test of the slot ring (csrc/ring.h, csrc/ring.c); no Python.
+ *
+ *   test_ring WORKERS BATCHES SEED [key=value ...]
+ *
+ * keys: phase=all|contract|stress (all)   mode=fork|thread (fork)
+ *       slots=N (4)   slot_bytes=N (0)   max_need=N (98304)   grow_pct=P (12)
+ *       watchdog=SECONDS (60)
+ *
+ * phase "contract": single-process (plus a few short-lived children) checks of
+ * every edge's error returns, find_free, grow/ENOSPACE, reclaim after a worker
+ * died, populate, pdeathsig.  Failures there are all reported (the run goes on),
+ * and the exit status is 1 if any occurred.
+ *
+ * phase "stress": the parent creates a region, starts WORKERS workers (forked
+ * processes, or threads with mode=thread), hands them (seq, slot) tasks over pipes
+ * and waits for the batches in seq order, holding a random number of leases and
+ * releasing them out of order.  Each worker begins the slot, sometimes grows it
+ * (once or twice, preserving what it already wrote), fills the payload with a
+ * pattern derived from (SEED, seq) and publishes.  Everything a worker does for a
+ * seq is a pure function of (SEED, seq) and the slot's capacity, so the parent
+ * predicts and checks the whole header and payload (grow_count is read as the
+ * slot's running total, as ring.h words it).  Leases are re-checked byte for byte
+ * before release, ranges of FREE/LEASED slots must stay disjoint, and a wait that
+ * returns more than WAKE_LATENCY_NS after the worker's publish is reported as a
+ * lost wake-up (ring.c's timed futex wait would otherwise hide one).  The first
+ * failure ends the run with "test_ring FAIL ..." on stderr, non-zero exit status.
+ *
+ * On success the last line on stdout is "test_ring OK: ..." (one line).
+ * No sleeps are used for synchronisation: pipes, waitpid and the ring itself.
+ */
+#define _GNU_SOURCE
+#include "ring.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MS 1000000ll
+#define STRESS_WAIT_NS (5000 * MS) /* a batch not READY after this: dead or stuck worker */
+#define WAKE_LATENCY_NS (2000 * MS) /* woke this long after the publish: lost wake-up */
+#define JUNK_TAIL 8192u             /* bytes past `used` a worker scribbles on */
+#define TASK_MAGIC 0x7461736bu
+
+/* ------------------------------------------------------------------------- */
+/* failure reporting                                                          */
+
+static int g_is_child;                /* forked process: _exit on failure */
+static pthread_t g_main_thread;
+static _Thread_local char g_who[64] = "parent";
+static int g_soft;                    /* contract phase: count failures, go on */
+static int g_soft_failures;
+static atomic_ulong g_checks;
+static pid_t g_notify_pid;            /* stress workers: SIGUSR1 the parent on failure */
+/* When each slot's batch was published (CLOCK_MONOTONIC ns), written by the worker
+ * just before mpl_slot_publish: test bookkeeping in its own shared mapping, not
+ * part of the ring.  The parent reads it after its wait to time the wake-up. */
+static int64_t *g_pub_ns;
+
+static const char *rc_name(int rc) {
+    switch (rc) {
+    case MPL_OK: return "MPL_OK";
+    case MPL_ETIMEDOUT: return "MPL_ETIMEDOUT";
+    case MPL_ESTATE: return "MPL_ESTATE";
+    case MPL_ENOSPACE: return "MPL_ENOSPACE";
+    case MPL_ESYS: return "MPL_ESYS";
+    case MPL_EINVAL: return "MPL_EINVAL";
+    default: return "(unknown rc)";
+    }
+}
+
+static const char *state_name(uint32_t s) {
+    switch (s) {
+    case MPL_FREE: return "FREE";
+    case MPL_ASSIGNED: return "ASSIGNED";
+    case MPL_READY: return "READY";
+    case MPL_LEASED: return "LEASED";
+    default: return "(bad state)";
+    }
+}
+
+#if defined(__GNUC__)
+__attribute__((format(printf, 3, 4)))
+#endif
+static void fail_at(const char *file, int line, const char *fmt, ...) {
+    char msg[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "test_ring FAIL [%s] %s:%d: %s\n", g_who, file, line, msg);
+    fflush(stderr);
+    int main_thread = pthread_equal(pthread_self(), g_main_thread);
+    if (g_soft && !g_is_child && main_thread) {
+        g_soft_failures++;
+        return;
+    }
+    if (g_is_child) {
+        if (g_notify_pid > 0)
+            kill(g_notify_pid, SIGUSR1);
+        _exit(3);
+    }
+    if (!main_thread)
+        _exit(1);
+    exit(1);
+}
+
+#define FAIL(...) fail_at(__FILE__, __LINE__, __VA_ARGS__)
+#define CHECK(cond, ...)                                                                                               \
+    do {                                                                                                               \
+        atomic_fetch_add_explicit(&g_checks, 1, memory_order_relaxed);                                                 \
+        if (!(cond))                                                                                                   \
+            FAIL("check `" #cond "` failed: " __VA_ARGS__);                                                            \
+    } while (0)
+#define CHECK_RC(expr, want)                                                                                           \
+    do {                                                                                                               \
+        atomic_fetch_add_explicit(&g_checks, 1, memory_order_relaxed);                                                 \
+        int rc_ = (expr);                                                                                              \
+        if (rc_ != (want))                                                                                             \
+            FAIL("%s returned %s (%d), expected %s (errno %d: %s)", #expr, rc_name(rc_), rc_, rc_name(want), errno,   \
+                 strerror(errno));                                                                                     \
+    } while (0)
+#define CHECK_STATE(r, slot, want)                                                                                     \
+    do {                                                                                                               \
+        uint32_t st_ = mpl_slot_state((r), (slot));                                                                    \
+        atomic_fetch_add_explicit(&g_checks, 1, memory_order_relaxed);                                                 \
+        if (st_ != (uint32_t)(want))                                                                                   \
+            FAIL("slot %u is %s, expected %s", (unsigned)(slot), state_name(st_), state_name(want));                   \
+    } while (0)
+
+static void die_sys(const char *what) {
+    FAIL("%s: %s", what, strerror(errno));
+    exit(1); /* FAIL may return in the soft phase; a failed syscall here is fatal */
+}
+
+static void on_worker_failed(int sig) {
+    (void)sig;
+    static const char msg[] = "test_ring FAIL [parent]: a worker process failed (its message is above)\n";
+    ssize_t n = write(2, msg, sizeof msg - 1);
+    (void)n;
+    _exit(1);
+}
+
+static void on_watchdog(int sig) {
+    (void)sig;
+    static const char msg[] = "test_ring FAIL [watchdog]: the run took longer than watchdog= seconds (hang?)\n";
+    ssize_t n = write(2, msg, sizeof msg - 1);
+    (void)n;
+    _exit(1);
+}
+
+/* ------------------------------------------------------------------------- */
+/* PRNG and payload pattern                                                   */
+
+static inline uint64_t mix64(uint64_t z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+typedef struct { uint64_t s; } rng_t; /* splitmix64 */
+
+static inline uint64_t rng_next(rng_t *g) {
+    g->s += 0x9e3779b97f4a7c15ull;
+    uint64_t z = g->s;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static inline uint64_t rng_below(rng_t *g, uint64_t n) { return n ? rng_next(g) % n : 0; }
+
+static inline uint64_t pat_key(uint64_t seed, uint64_t seq) { return mix64(mix64(seed) ^ (seq * 0x100000001b3ull)); }
+
+/* Byte i of the pattern `key` is byte (i % 8) of mix64(key + i / 8). */
+static void pat_fill(uint8_t *p, uint64_t from, uint64_t to, uint64_t key) {
+    uint64_t i = from;
+    while (i < to) {
+        uint64_t w = mix64(key + (i >> 3));
+        do {
+            p[i] = (uint8_t)(w >> ((i & 7) * 8));
+            i++;
+        } while (i < to && (i & 7));
+    }
+}
+
+/* Index of the first byte in [from, to) that differs from the pattern, or -1. */
+static int64_t pat_bad(const uint8_t *p, uint64_t from, uint64_t to, uint64_t key) {
+    uint64_t i = from;
+    while (i < to) {
+        uint64_t w = mix64(key + (i >> 3));
+        do {
+            if (p[i] != (uint8_t)(w >> ((i & 7) * 8)))
+                return (int64_t)i;
+            i++;
+        } while (i < to && (i & 7));
+    }
+    return -1;
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000ll + ts.tv_nsec;
+}
+
+static uint64_t u64min(uint64_t a, uint64_t b) { return a < b ? a : b; }
+static uint64_t u64max(uint64_t a, uint64_t b) { return a > b ? a : b; }
+
+static int fd_count(void) {
+    DIR *d = opendir("/proc/self/fd");
+    if (!d)
+        die_sys("opendir /proc/self/fd");
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL)
+        if (e->d_name[0] != '.')
+            n++;
+    closedir(d);
+    return n;
+}
+
+/* End of the slot headers (offset from base): no payload may start below it. */
+static uint64_t headers_end(mpl_region *r) {
+    uint64_t end = 0;
+    for (uint32_t s = 0; s < r->nslots; s++) {
+        uint64_t e = (uint64_t)((uint8_t *)mpl_slot_meta_of(r, s) - r->base) + sizeof(mpl_slot_meta);
+        end = u64max(end, e);
+    }
+    return end;
+}
+
+static int ranges_overlap(uint64_t a_off, uint64_t a_len, uint64_t b_off, uint64_t b_len) {
+    if (a_len == 0 || b_len == 0)
+        return 0;
+    return a_off < b_off + b_len && b_off < a_off + a_len;
+}
+
+/* ------------------------------------------------------------------------- */
+/* what a worker does for one batch                                           */
+
+typedef struct {
+    int workers;
+    uint64_t batches;
+    uint64_t seed;
+    uint32_t nslots;
+    uint64_t slot_bytes;
+    uint64_t max_need;
+    uint64_t grow_pct; /* percent of batches that grow even if the slot is big enough */
+    int threads;
+    int do_contract, do_stress;
+    unsigned watchdog;
+} cfg_t;
+
+typedef struct {
+    uint64_t need;     /* bytes published (meta.used) */
+    uint64_t extra;    /* a forced grow asks for need + extra */
+    uint64_t prefix_pm;/* per-mille of min(capacity, need) written before the first grow */
+    int force_grow;    /* grow even if the slot is big enough */
+    int two_grows;     /* grow to a midpoint first, then to the target */
+    uint32_t kind, flags;
+    uint64_t desc_off, desc_len;
+} plan_t;
+
+static plan_t make_plan(uint64_t seed, uint64_t seq, uint64_t max_need, uint64_t grow_pct) {
+    rng_t g = {mix64(seed ^ mix64(seq + 0x5151))};
+    plan_t p;
+    uint64_t c = rng_below(&g, 100);
+    if (c < 8)
+        p.need = 0;
+    else if (c < 55)
+        p.need = 1 + rng_below(&g, 512);
+    else if (c < 85)
+        p.need = 1 + rng_below(&g, 8192);
+    else
+        p.need = 1 + rng_below(&g, max_need);
+    p.need = u64min(p.need, max_need);
+    p.force_grow = rng_below(&g, 100) < grow_pct;
+    p.two_grows = rng_below(&g, 4) == 0;
+    p.extra = rng_below(&g, 5000);
+    p.prefix_pm = rng_below(&g, 1001);
+    p.kind = (uint32_t)rng_below(&g, 4);
+    p.flags = rng_below(&g, 2) ? MPL_FLAG_INBAND : 0;
+    p.desc_off = rng_below(&g, p.need + 1);
+    p.desc_len = rng_below(&g, p.need - p.desc_off + 1);
+    return p;
+}
+
+/* The grows a worker does for `pl` on a slot of capacity `cap`: 0, 1 or 2. */
+static uint32_t planned_grows(const plan_t *pl, uint64_t cap) {
+    if (!(pl->need > cap || pl->force_grow))
+        return 0;
+    return pl->two_grows ? 2u : 1u;
+}
+
+static uint64_t grow_target(const plan_t *pl) { return pl->force_grow ? pl->need + pl->extra : pl->need; }
+
+static void do_grow(mpl_region *r, uint32_t slot, uint64_t seq, uint64_t need, uint64_t preserve, uint64_t key) {
+    mpl_slot_meta *m = mpl_slot_meta_of(r, slot);
+    uint32_t gc = m->grow_count;
+    int rc = mpl_slot_grow(r, slot, need, preserve);
+    if (rc != MPL_OK) {
+        FAIL("mpl_slot_grow(slot %u, need %" PRIu64 ", preserve %" PRIu64 ") for seq %" PRIu64
+             " returned %s (errno %d: %s)",
+             slot, need, preserve, seq, rc_name(rc), errno, strerror(errno));
+        return;
+    }
+    CHECK(m->capacity >= need, "seq %" PRIu64 ": capacity %" PRIu64 " after grow to %" PRIu64, seq, m->capacity,
+          need);
+    CHECK(m->offset + m->capacity <= r->reserve_bytes, "seq %" PRIu64 ": grown range past the reservation", seq);
+    CHECK(m->offset + m->capacity <= mpl_region_file_bytes(r),
+          "seq %" PRIu64 ": grown range [%" PRIu64 ", +%" PRIu64 ") past file end %" PRIu64, seq, m->offset,
+          m->capacity, mpl_region_file_bytes(r));
+    CHECK(m->grow_count == gc + 1, "seq %" PRIu64 ": grow_count %u -> %u", seq, gc, m->grow_count);
+    CHECK(mpl_slot_payload(r, slot) == r->base + m->offset, "payload pointer is not base + offset");
+    int64_t bad = pat_bad(mpl_slot_payload(r, slot), 0, preserve, key);
+    CHECK(bad < 0, "seq %" PRIu64 ": grow(need %" PRIu64 ", preserve %" PRIu64 ") lost preserved byte %" PRId64,
+          seq, need, preserve, bad);
+}
+
+/* Worker side of one batch: begin, maybe grow, write, publish.  Returns the grows. */
+static uint32_t run_batch(mpl_region *r, const cfg_t *cfg, uint64_t seq, uint32_t slot) {
+    CHECK_RC(mpl_slot_begin(r, slot, seq), MPL_OK);
+    CHECK_RC(mpl_slot_begin(r, slot, seq + 1), MPL_ESTATE); /* not this batch's seq */
+    mpl_slot_meta *m = mpl_slot_meta_of(r, slot);
+    CHECK(m->seq == seq, "worker sees meta.seq %" PRIu64 " for seq %" PRIu64, m->seq, seq);
+    plan_t pl = make_plan(cfg->seed, seq, cfg->max_need, cfg->grow_pct);
+    uint64_t key = pat_key(cfg->seed, seq);
+    uint64_t cap = m->capacity;
+    CHECK(mpl_slot_payload(r, slot) == r->base + m->offset, "payload pointer is not base + offset");
+    uint32_t grows = planned_grows(&pl, cap);
+    uint64_t written = 0;
+    if (grows) {
+        uint64_t target = grow_target(&pl);
+        written = u64min(cap, pl.need) * pl.prefix_pm / 1000;
+        pat_fill(mpl_slot_payload(r, slot), 0, written, key);
+        if (grows == 2) {
+            uint64_t mid = written + (target - written) / 2;
+            do_grow(r, slot, seq, mid, written, key);
+            uint64_t upto = u64min(mid, pl.need);
+            pat_fill(mpl_slot_payload(r, slot), written, upto, key);
+            written = upto;
+        }
+        do_grow(r, slot, seq, target, written, key);
+    }
+    uint8_t *p = mpl_slot_payload(r, slot);
+    CHECK(m->capacity >= pl.need, "seq %" PRIu64 ": capacity %" PRIu64 " < need %" PRIu64, seq, m->capacity, pl.need);
+    pat_fill(p, written, pl.need, key);
+    /* Scribble past `used`, inside the capacity: if the ring handed out overlapping
+     * ranges this corrupts some other batch's checked bytes. */
+    pat_fill(p, pl.need, u64min(m->capacity, pl.need + JUNK_TAIL), ~key);
+    mpl_region_note_size(r, pl.need);
+    uint32_t flags = pl.flags | (grows ? MPL_FLAG_GROWN : 0u);
+    if (g_pub_ns)
+        g_pub_ns[slot] = now_ns();
+    CHECK_RC(mpl_slot_publish(r, slot, pl.kind, flags, pl.need, pl.desc_off, pl.desc_len), MPL_OK);
+    return grows;
+}
+
+/* ------------------------------------------------------------------------- */
+/* workers                                                                    */
+
+typedef struct {
+    uint64_t seq;
+    uint32_t slot;
+    uint32_t magic;
+} task_t;
+
+typedef struct {
+    mpl_region *r;
+    const cfg_t *cfg;
+    int idx;
+    int rfd;
+    pthread_t tid;
+} worker_arg_t;
+
+static void worker_loop(mpl_region *r, const cfg_t *cfg, int rfd) {
+    for (;;) {
+        task_t t;
+        ssize_t n = read(rfd, &t, sizeof t);
+        if (n == 0)
+            return;
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n != (ssize_t)sizeof t)
+            FAIL("short read on the task pipe: %zd (%s)", n, n < 0 ? strerror(errno) : "");
+        CHECK(t.magic == TASK_MAGIC, "garbled task");
+        CHECK(t.slot < r->nslots, "task slot %u out of range", t.slot);
+        run_batch(r, cfg, t.seq, t.slot);
+    }
+}
+
+static void *worker_thread(void *arg) {
+    worker_arg_t *a = arg;
+    snprintf(g_who, sizeof g_who, "worker thread %d", a->idx);
+    worker_loop(a->r, a->cfg, a->rfd);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------------- */
+/* contract phase                                                             */
+
+static void expect_timeout(mpl_region *r, uint32_t slot, int64_t timeout_ns) {
+    int64_t t0 = now_ns();
+    CHECK_RC(mpl_slot_wait(r, slot, timeout_ns), MPL_ETIMEDOUT);
+    int64_t dt = now_ns() - t0;
+    /* Not before the deadline (1 ms slack for clock granularity), and promptly after it. */
+    CHECK(dt >= timeout_ns - 1 * MS, "wait(%" PRId64 " ns) timed out early, after %" PRId64 " ns", timeout_ns, dt);
+    CHECK(dt <= timeout_ns + 1000 * MS, "wait(%" PRId64 " ns) took %" PRId64 " ns to time out", timeout_ns, dt);
+}
+
+/* Every out-of-range slot index is refused (EINVAL, or ESTATE) without touching memory. */
+static void contract_out_of_range(mpl_region *r) {
+    uint32_t bad[2] = {r->nslots, UINT32_MAX};
+    for (int i = 0; i < 2; i++) {
+        uint32_t s = bad[i];
+        int rcs[7] = {
+            mpl_slot_assign(r, s, 1),     mpl_slot_wait(r, s, 0),          mpl_slot_release(r, s),
+            mpl_slot_reclaim(r, s),       mpl_slot_begin(r, s, 1),         mpl_slot_grow(r, s, 4096, 0),
+            mpl_slot_publish(r, s, MPL_KIND_SLOT, 0, 0, 0, 0),
+        };
+        static const char *names[7] = {"assign", "wait", "release", "reclaim", "begin", "grow", "publish"};
+        for (int k = 0; k < 7; k++)
+            CHECK(rcs[k] == MPL_EINVAL || rcs[k] == MPL_ESTATE, "%s(slot %u) of %u slots returned %s", names[k], s,
+                  r->nslots, rc_name(rcs[k]));
+    }
+}
+
+static void contract_states(void) {
+    snprintf(g_who, sizeof g_who, "contract/states");
+    int fd0 = fd_count();
+    mpl_region r;
+    int rc = mpl_region_create(&r, 4, 1000, 0);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(4, 1000, 0) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    CHECK(r.base != NULL && r.fd >= 0 && r.nslots == 4, "region handle not filled in");
+    CHECK(fd_count() == fd0 + 1, "create opened %d fds", fd_count() - fd0);
+    uint64_t hend = headers_end(&r), fbytes = mpl_region_file_bytes(&r);
+    CHECK(fbytes <= r.reserve_bytes, "file bytes %" PRIu64 " > reserve %" PRIu64, fbytes, r.reserve_bytes);
+    for (uint32_t s = 0; s < 4; s++) {
+        mpl_slot_meta *m = mpl_slot_meta_of(&r, s);
+        CHECK_STATE(&r, s, MPL_FREE);
+        CHECK(m->capacity >= 1000, "slot %u capacity %" PRIu64, s, m->capacity);
+        CHECK(m->grow_count == 0, "slot %u grow_count %u", s, m->grow_count);
+        CHECK(mpl_slot_payload(&r, s) == r.base + m->offset, "payload != base + offset");
+        CHECK(m->offset >= hend, "slot %u payload at %" PRIu64 " overlaps the headers (end %" PRIu64 ")", s,
+              m->offset, hend);
+        CHECK(m->offset + m->capacity <= fbytes, "slot %u payload past the file end", s);
+        for (uint32_t t = 0; t < s; t++) {
+            mpl_slot_meta *n = mpl_slot_meta_of(&r, t);
+            CHECK(!ranges_overlap(m->offset, m->capacity, n->offset, n->capacity), "slots %u and %u overlap", s, t);
+        }
+        /* The payload is writable in this process. */
+        pat_fill(mpl_slot_payload(&r, s), 0, 1000, s);
+    }
+    CHECK_RC(mpl_region_populate(&r), MPL_OK);
+    for (uint32_t s = 0; s < 4; s++)
+        CHECK(pat_bad(mpl_slot_payload(&r, s), 0, 1000, s) < 0, "populate changed slot %u's payload", s);
+
+    /* size hint: a running maximum */
+    mpl_region_note_size(&r, 5000);
+    CHECK(mpl_region_size_hint(&r) >= 5000, "size hint %" PRIu64 " after note_size(5000)", mpl_region_size_hint(&r));
+    uint64_t h = mpl_region_size_hint(&r);
+    mpl_region_note_size(&r, 10);
+    CHECK(mpl_region_size_hint(&r) == h, "size hint went from %" PRIu64 " to %" PRIu64 " after note_size(10)", h,
+          mpl_region_size_hint(&r));
+
+    for (uint32_t s = 0; s < 4; s++)
+        CHECK(mpl_find_free(&r, s) == (int)s, "find_free(%u) = %d with every slot FREE", s, mpl_find_free(&r, s));
+    contract_out_of_range(&r);
+
+    /* Edges out of FREE other than E1 are refused. */
+    CHECK_RC(mpl_slot_release(&r, 0), MPL_ESTATE);
+    CHECK_RC(mpl_slot_reclaim(&r, 0), MPL_ESTATE);
+    CHECK_RC(mpl_slot_wait(&r, 0, 0), MPL_ESTATE);
+    CHECK_RC(mpl_slot_wait(&r, 0, -1), MPL_ESTATE); /* must not block on a FREE slot */
+    CHECK_RC(mpl_slot_begin(&r, 0, 0), MPL_ESTATE);
+    CHECK_RC(mpl_slot_publish(&r, 0, MPL_KIND_SLOT, 0, 0, 0, 0), MPL_ESTATE);
+    CHECK_STATE(&r, 0, MPL_FREE);
+
+    /* E1 and what may not follow it */
+    CHECK_RC(mpl_slot_assign(&r, 0, 7), MPL_OK);
+    CHECK_STATE(&r, 0, MPL_ASSIGNED);
+    CHECK(mpl_slot_meta_of(&r, 0)->seq == 7, "meta.seq %" PRIu64 " after assign(7)", mpl_slot_meta_of(&r, 0)->seq);
+    CHECK_RC(mpl_slot_assign(&r, 0, 8), MPL_ESTATE);
+    CHECK(mpl_slot_meta_of(&r, 0)->seq == 7, "a refused assign(8) changed meta.seq to %" PRIu64,
+          mpl_slot_meta_of(&r, 0)->seq);
+    CHECK(mpl_find_free(&r, 0) == 1, "find_free(0) = %d with slot 0 ASSIGNED", mpl_find_free(&r, 0));
+    CHECK(mpl_find_free(&r, 3) == 3, "find_free(3) = %d", mpl_find_free(&r, 3));
+    CHECK_RC(mpl_slot_release(&r, 0), MPL_ESTATE);
+    expect_timeout(&r, 0, 0);
+    expect_timeout(&r, 0, 30 * MS);
+    CHECK_STATE(&r, 0, MPL_ASSIGNED);
+    CHECK_RC(mpl_slot_begin(&r, 0, 8), MPL_ESTATE);
+    CHECK_RC(mpl_slot_begin(&r, 0, 7), MPL_OK);
+
+    /* E2 */
+    uint64_t key = pat_key(99, 7);
+    pat_fill(mpl_slot_payload(&r, 0), 0, 800, key);
+    CHECK_RC(mpl_slot_publish(&r, 0, MPL_KIND_SLOT, MPL_FLAG_INBAND, 800, 16, 64), MPL_OK);
+    CHECK_STATE(&r, 0, MPL_READY);
+    /* A second publish (a confused or stale worker) is refused and must not touch the header. */
+    CHECK_RC(mpl_slot_publish(&r, 0, MPL_KIND_ERROR, 0, 5, 1, 1), MPL_ESTATE);
+    CHECK_RC(mpl_slot_assign(&r, 0, 9), MPL_ESTATE);
+    CHECK_RC(mpl_slot_release(&r, 0), MPL_ESTATE);
+    CHECK_RC(mpl_slot_begin(&r, 0, 7), MPL_ESTATE);
+    CHECK_STATE(&r, 0, MPL_READY);
+
+    /* E3: already READY, so even a zero timeout succeeds */
+    CHECK_RC(mpl_slot_wait(&r, 0, 0), MPL_OK);
+    CHECK_STATE(&r, 0, MPL_LEASED);
+    mpl_slot_meta *m = mpl_slot_meta_of(&r, 0);
+    CHECK(m->seq == 7 && m->used == 800 && m->kind == MPL_KIND_SLOT && m->flags == MPL_FLAG_INBAND &&
+              m->desc_off == 16 && m->desc_len == 64 && m->worker_pid == (int32_t)getpid() && m->grow_count == 0,
+          "READY header wrong (after a refused second publish?): seq %" PRIu64 " used %" PRIu64
+          " kind %u flags %u desc %" PRIu64 "+%" PRIu64 " pid %d grow_count %u",
+          m->seq, m->used, m->kind, m->flags, m->desc_off, m->desc_len, (int)m->worker_pid, m->grow_count);
+    CHECK(pat_bad(mpl_slot_payload(&r, 0), 0, 800, key) < 0, "payload changed between publish and wait");
+
+    /* Nothing but E4 leaves LEASED; a stale publish must not touch the lease's header. */
+    CHECK_RC(mpl_slot_wait(&r, 0, 0), MPL_ESTATE);
+    CHECK_RC(mpl_slot_wait(&r, 0, -1), MPL_ESTATE);
+    CHECK_RC(mpl_slot_assign(&r, 0, 10), MPL_ESTATE);
+    CHECK_RC(mpl_slot_reclaim(&r, 0), MPL_ESTATE);
+    CHECK_RC(mpl_slot_begin(&r, 0, 7), MPL_ESTATE);
+    CHECK_RC(mpl_slot_publish(&r, 0, MPL_KIND_PIPE, 0, 3, 0, 0), MPL_ESTATE);
+    CHECK(m->used == 800 && m->kind == MPL_KIND_SLOT && m->flags == MPL_FLAG_INBAND && m->desc_off == 16 &&
+              m->desc_len == 64,
+          "a refused publish on a LEASED slot rewrote its header: used %" PRIu64 " kind %u flags %u desc %" PRIu64
+          "+%" PRIu64,
+          m->used, m->kind, m->flags, m->desc_off, m->desc_len);
+    CHECK_STATE(&r, 0, MPL_LEASED);
+
+    /* E4 */
+    CHECK_RC(mpl_slot_release(&r, 0), MPL_OK);
+    CHECK_STATE(&r, 0, MPL_FREE);
+    CHECK_RC(mpl_slot_release(&r, 0), MPL_ESTATE);
+    CHECK_STATE(&r, 0, MPL_FREE);
+
+    /* E5 from ASSIGNED; from READY the header says ESTATE, ring.c frees it: accept either, consistently. */
+    CHECK_RC(mpl_slot_assign(&r, 1, 11), MPL_OK);
+    CHECK_RC(mpl_slot_reclaim(&r, 1), MPL_OK);
+    CHECK_STATE(&r, 1, MPL_FREE);
+    CHECK_RC(mpl_slot_reclaim(&r, 1), MPL_ESTATE);
+    CHECK_RC(mpl_slot_begin(&r, 1, 11), MPL_ESTATE); /* the abandoned batch's worker is refused */
+    CHECK_RC(mpl_slot_assign(&r, 1, 12), MPL_OK);
+    CHECK_RC(mpl_slot_begin(&r, 1, 12), MPL_OK);
+    CHECK_RC(mpl_slot_publish(&r, 1, MPL_KIND_SLOT, 0, 0, 0, 0), MPL_OK);
+    rc = mpl_slot_reclaim(&r, 1);
+    if (rc == MPL_OK) {
+        CHECK_STATE(&r, 1, MPL_FREE);
+    } else {
+        CHECK(rc == MPL_ESTATE, "reclaim of a READY slot returned %s", rc_name(rc));
+        CHECK_STATE(&r, 1, MPL_READY);
+        CHECK_RC(mpl_slot_wait(&r, 1, 0), MPL_OK);
+        CHECK_RC(mpl_slot_release(&r, 1), MPL_OK);
+    }
+
+    /* find_free is cyclic from `start` */
+    for (uint32_t s = 0; s < 4; s++)
+        CHECK_RC(mpl_slot_assign(&r, s, 20 + s), MPL_OK);
+    for (uint32_t s = 0; s < 4; s++)
+        CHECK(mpl_find_free(&r, s) == -1, "find_free(%u) = %d with no slot FREE", s, mpl_find_free(&r, s));
+    CHECK_RC(mpl_slot_reclaim(&r, 2), MPL_OK);
+    CHECK(mpl_find_free(&r, 3) == 2, "find_free(3) = %d, only slot 2 FREE", mpl_find_free(&r, 3));
+    CHECK(mpl_find_free(&r, 0) == 2, "find_free(0) = %d, only slot 2 FREE", mpl_find_free(&r, 0));
+    CHECK_RC(mpl_slot_reclaim(&r, 0), MPL_OK);
+    CHECK(mpl_find_free(&r, 1) == 2, "find_free(1) = %d, slots 0 and 2 FREE", mpl_find_free(&r, 1));
+    CHECK(mpl_find_free(&r, 3) == 0, "find_free(3) = %d, slots 0 and 2 FREE", mpl_find_free(&r, 3));
+    CHECK_RC(mpl_slot_reclaim(&r, 1), MPL_OK);
+    CHECK_RC(mpl_slot_reclaim(&r, 3), MPL_OK);
+    for (uint32_t s = 0; s < 4; s++)
+        CHECK_STATE(&r, s, MPL_FREE);
+
+    mpl_region_close_fd(&r);
+    CHECK(r.fd == -1, "fd %d after close_fd", r.fd);
+    mpl_region_close_fd(&r);
+    CHECK(fd_count() == fd0, "%d fds left open after close_fd", fd_count() - fd0);
+    mpl_region_unmap(&r);
+    mpl_region_unmap(&r);
+}
+
+static void contract_grow(void) {
+    snprintf(g_who, sizeof g_who, "contract/grow");
+    mpl_region r;
+    int rc = mpl_region_create(&r, 3, 0, 0);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(3, 0, 0) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    uint64_t hend = headers_end(&r);
+    mpl_slot_meta *m = mpl_slot_meta_of(&r, 1);
+    uint64_t key = pat_key(5, 1);
+    CHECK_RC(mpl_slot_assign(&r, 1, 1), MPL_OK);
+    CHECK_RC(mpl_slot_begin(&r, 1, 1), MPL_OK);
+    uint32_t gc0 = m->grow_count;
+    do_grow(&r, 1, 1, 100, 0, key);
+    pat_fill(mpl_slot_payload(&r, 1), 0, 100, key);
+    do_grow(&r, 1, 1, 300000, 100, key);
+    pat_fill(mpl_slot_payload(&r, 1), 100, 300000, key);
+    do_grow(&r, 1, 1, 5000, 5000, key); /* smaller than the current capacity: still a new range */
+    CHECK(m->grow_count == gc0 + 3, "grow_count %u after 3 grows from %u", m->grow_count, gc0);
+    CHECK(m->offset >= hend, "grown payload overlaps the headers");
+    CHECK(mpl_region_size_hint(&r) >= 300000, "size hint %" PRIu64 " after a grow to 300000",
+          mpl_region_size_hint(&r));
+    for (uint32_t s = 0; s < 3; s++)
+        for (uint32_t t = 0; t < s; t++) {
+            mpl_slot_meta *a = mpl_slot_meta_of(&r, s), *b = mpl_slot_meta_of(&r, t);
+            CHECK(!ranges_overlap(a->offset, a->capacity, b->offset, b->capacity), "slots %u and %u overlap", s, t);
+        }
+    CHECK_RC(mpl_slot_publish(&r, 1, MPL_KIND_SLOT, MPL_FLAG_GROWN, 5000, 0, 5000), MPL_OK);
+    CHECK_RC(mpl_slot_wait(&r, 1, 1000 * MS), MPL_OK);
+    CHECK(m->used == 5000 && m->capacity >= 5000 && m->grow_count == gc0 + 3 && m->flags == MPL_FLAG_GROWN,
+          "header after grows: used %" PRIu64 " capacity %" PRIu64 " grow_count %u flags %u", m->used, m->capacity,
+          m->grow_count, m->flags);
+    CHECK(pat_bad(mpl_slot_payload(&r, 1), 0, 5000, key) < 0, "grown payload wrong at the parent");
+    uint64_t off = m->offset, cap = m->capacity;
+    CHECK_RC(mpl_slot_release(&r, 1), MPL_OK);
+    /* The slot keeps its size for the next batch (it was sized on first use). */
+    CHECK_RC(mpl_slot_assign(&r, 1, 2), MPL_OK);
+    CHECK(m->offset == off && m->capacity == cap, "assign moved the payload (%" PRIu64 "+%" PRIu64 " -> %" PRIu64
+          "+%" PRIu64 ")", off, cap, m->offset, m->capacity);
+    CHECK_RC(mpl_slot_reclaim(&r, 1), MPL_OK);
+    mpl_region_unmap(&r);
+}
+
+/* ENOSPACE leaves the slot (and the reservation) as it was. */
+static void contract_enospace(void) {
+    snprintf(g_who, sizeof g_who, "contract/enospace");
+    mpl_region r;
+    uint64_t reserve = 1ull << 20;
+    int rc = mpl_region_create(&r, 2, 4096, reserve);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(2, 4096, 1 MiB) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    CHECK(r.reserve_bytes >= reserve, "reserve %" PRIu64 " < requested %" PRIu64, r.reserve_bytes, reserve);
+    mpl_slot_meta *m = mpl_slot_meta_of(&r, 0);
+    uint64_t key = pat_key(6, 1);
+    CHECK_RC(mpl_slot_assign(&r, 0, 1), MPL_OK);
+    CHECK_RC(mpl_slot_begin(&r, 0, 1), MPL_OK);
+    pat_fill(mpl_slot_payload(&r, 0), 0, 4096, key);
+    uint64_t needs[4] = {r.reserve_bytes + 1, r.reserve_bytes, UINT64_MAX, UINT64_MAX - 100};
+    for (int i = 0; i < 4; i++) {
+        uint64_t off = m->offset, cap = m->capacity, fb = mpl_region_file_bytes(&r);
+        uint32_t gc = m->grow_count;
+        rc = mpl_slot_grow(&r, 0, needs[i], 4096);
+        CHECK(rc == MPL_ENOSPACE || (rc == MPL_EINVAL && needs[i] > (UINT64_MAX >> 1)),
+              "grow(need %" PRIu64 ") in a %" PRIu64 "-byte reservation returned %s (errno %d: %s), expected "
+              "MPL_ENOSPACE",
+              needs[i], r.reserve_bytes, rc_name(rc), errno, strerror(errno));
+        CHECK(m->offset == off && m->capacity == cap && m->grow_count == gc,
+              "a refused grow(need %" PRIu64 ") changed the slot", needs[i]);
+        CHECK(mpl_region_file_bytes(&r) == fb, "a refused grow(need %" PRIu64 ") used up %" PRIu64 " bytes", needs[i],
+              mpl_region_file_bytes(&r) - fb);
+        CHECK(pat_bad(mpl_slot_payload(&r, 0), 0, 4096, key) < 0, "a refused grow changed the payload");
+    }
+    /* The slot still works: a grow that fits, then publish and lease. */
+    do_grow(&r, 0, 1, 100000, 4096, key);
+    CHECK_RC(mpl_slot_publish(&r, 0, MPL_KIND_SLOT, MPL_FLAG_GROWN, 4096, 0, 0), MPL_OK);
+    CHECK_RC(mpl_slot_wait(&r, 0, 0), MPL_OK);
+    CHECK(pat_bad(mpl_slot_payload(&r, 0), 0, 4096, key) < 0, "payload wrong after grow");
+    CHECK_RC(mpl_slot_release(&r, 0), MPL_OK);
+    mpl_region_unmap(&r);
+}
+
+/* create: bad arguments fail and leave no fd behind. */
+static void contract_create(void) {
+    snprintf(g_who, sizeof g_who, "contract/create");
+    int fd0 = fd_count();
+    mpl_region r;
+    int rc = mpl_region_create(&r, 0, 4096, 0);
+    CHECK(rc == MPL_EINVAL, "create with 0 slots returned %s", rc_name(rc));
+    /* Absurd slot sizes must fail (not wrap around to a small region). */
+    uint64_t huge[2] = {UINT64_MAX, UINT64_MAX - 4000};
+    for (int i = 0; i < 2; i++) {
+        rc = mpl_region_create(&r, 2, huge[i], 0);
+        CHECK(rc == MPL_EINVAL || rc == MPL_ESYS, "create(2 slots, slot_bytes %" PRIu64 ") returned %s", huge[i],
+              rc_name(rc));
+        if (rc == MPL_OK)
+            mpl_region_unmap(&r);
+    }
+    CHECK(fd_count() == fd0, "failed creates left %d fds open", fd_count() - fd0);
+}
+
+/* A worker that began (and grew) its slot dies without publishing: the parent times
+ * out, reaps it, reclaims the slot, and the slot works again. */
+static void contract_dead_worker(void) {
+    snprintf(g_who, sizeof g_who, "contract/dead-worker");
+    mpl_region r;
+    int rc = mpl_region_create(&r, 3, 0, 0);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(3, 0, 0) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    /* slot 2: a lease the parent holds throughout; the dead worker must not touch it */
+    uint64_t k2 = pat_key(7, 50);
+    CHECK_RC(mpl_slot_assign(&r, 2, 50), MPL_OK);
+    CHECK_RC(mpl_slot_begin(&r, 2, 50), MPL_OK);
+    do_grow(&r, 2, 50, 20000, 0, k2);
+    pat_fill(mpl_slot_payload(&r, 2), 0, 20000, k2);
+    CHECK_RC(mpl_slot_publish(&r, 2, MPL_KIND_SLOT, MPL_FLAG_GROWN, 20000, 0, 0), MPL_OK);
+    CHECK_RC(mpl_slot_wait(&r, 2, 0), MPL_OK);
+
+    CHECK_RC(mpl_slot_assign(&r, 0, 100), MPL_OK);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid < 0)
+        die_sys("fork");
+    if (pid == 0) {
+        g_is_child = 1;
+        snprintf(g_who, sizeof g_who, "contract/dead-worker child");
+        CHECK_RC(mpl_region_populate(&r), MPL_OK);
+        CHECK_RC(mpl_slot_begin(&r, 0, 100), MPL_OK);
+        do_grow(&r, 0, 100, 50000, 0, pat_key(7, 100));
+        pat_fill(mpl_slot_payload(&r, 0), 0, 30000, pat_key(7, 100));
+        _exit(0); /* dies holding the slot ASSIGNED */
+    }
+    int status;
+    if (waitpid(pid, &status, 0) != pid)
+        die_sys("waitpid");
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "dead-worker child failed (status 0x%x)", status);
+    CHECK_STATE(&r, 0, MPL_ASSIGNED);
+    expect_timeout(&r, 0, 0);
+    expect_timeout(&r, 0, 20 * MS);
+    CHECK_RC(mpl_slot_release(&r, 0), MPL_ESTATE);
+    CHECK_RC(mpl_slot_reclaim(&r, 0), MPL_OK);
+    CHECK_STATE(&r, 0, MPL_FREE);
+    CHECK_RC(mpl_slot_reclaim(&r, 0), MPL_ESTATE);
+    CHECK(mpl_find_free(&r, 0) == 0, "reclaimed slot not found free");
+    /* reuse: this process plays the worker */
+    uint64_t key = pat_key(7, 101);
+    CHECK_RC(mpl_slot_assign(&r, 0, 101), MPL_OK);
+    CHECK_RC(mpl_slot_begin(&r, 0, 100), MPL_ESTATE);
+    CHECK_RC(mpl_slot_begin(&r, 0, 101), MPL_OK);
+    mpl_slot_meta *m = mpl_slot_meta_of(&r, 0);
+    if (m->capacity < 70000)
+        do_grow(&r, 0, 101, 70000, 0, key);
+    pat_fill(mpl_slot_payload(&r, 0), 0, 70000, key);
+    CHECK_RC(mpl_slot_publish(&r, 0, MPL_KIND_SLOT, 0, 70000, 0, 0), MPL_OK);
+    CHECK_RC(mpl_slot_wait(&r, 0, 1000 * MS), MPL_OK);
+    CHECK(m->seq == 101 && m->used == 70000, "reused slot header: seq %" PRIu64 " used %" PRIu64, m->seq, m->used);
+    CHECK(pat_bad(mpl_slot_payload(&r, 0), 0, 70000, key) < 0, "reused slot payload wrong");
+    mpl_slot_meta *m2 = mpl_slot_meta_of(&r, 2);
+    CHECK(!ranges_overlap(m->offset, m->capacity, m2->offset, m2->capacity), "reused slot overlaps a lease");
+    CHECK(pat_bad(mpl_slot_payload(&r, 2), 0, 20000, k2) < 0, "the held lease (slot 2) was clobbered");
+    CHECK_RC(mpl_slot_release(&r, 0), MPL_OK);
+    CHECK_RC(mpl_slot_release(&r, 2), MPL_OK);
+    mpl_region_unmap(&r);
+}
+
+/* grow(need, preserve) with preserve > need: the copy must stay inside the new range
+ * (clamped) or the call must be refused.  Run in a child: an overflow past the file
+ * end is a SIGBUS. */
+static void contract_preserve_gt_need(void) {
+    snprintf(g_who, sizeof g_who, "contract/preserve>need");
+    mpl_region r;
+    int rc = mpl_region_create(&r, 2, 0, 0);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(2, 0, 0) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    CHECK_RC(mpl_slot_assign(&r, 0, 1), MPL_OK);
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid < 0)
+        die_sys("fork");
+    if (pid == 0) {
+        g_is_child = 1;
+        snprintf(g_who, sizeof g_who, "contract/preserve>need child");
+        uint64_t key = pat_key(8, 1);
+        mpl_slot_meta *m = mpl_slot_meta_of(&r, 0);
+        CHECK_RC(mpl_slot_begin(&r, 0, 1), MPL_OK);
+        do_grow(&r, 0, 1, 65536, 0, key);
+        pat_fill(mpl_slot_payload(&r, 0), 0, 65536, key);
+        uint64_t off = m->offset, cap = m->capacity;
+        rc = mpl_slot_grow(&r, 0, 100, 32768);
+        if (rc == MPL_OK) {
+            CHECK(m->capacity >= 100, "capacity %" PRIu64, m->capacity);
+            CHECK(pat_bad(mpl_slot_payload(&r, 0), 0, 100, key) < 0, "preserved bytes lost");
+        } else {
+            CHECK(rc == MPL_EINVAL, "grow(100, preserve 32768) returned %s", rc_name(rc));
+            CHECK(m->offset == off && m->capacity == cap, "a refused grow changed the slot");
+        }
+        /* a later carve must not find its pages written by the earlier copy */
+        uint32_t gc = m->grow_count;
+        rc = mpl_slot_grow(&r, 0, 65536, 0);
+        CHECK(rc == MPL_OK && m->grow_count == gc + 1, "grow after that returned %s", rc_name(rc));
+        _exit(0);
+    }
+    int status;
+    if (waitpid(pid, &status, 0) != pid)
+        die_sys("waitpid");
+    if (WIFSIGNALED(status))
+        FAIL("mpl_slot_grow(need 100, preserve 32768) on a 64 KiB slot killed the worker with signal %d (%s): the "
+             "preserve copy is not clamped to the new range",
+             WTERMSIG(status), strsignal(WTERMSIG(status)));
+    else
+        CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child exit status 0x%x", status);
+    mpl_region_unmap(&r);
+}
+
+static uint64_t file_alloc_bytes(int fd) {
+    struct stat st;
+    if (fstat(fd, &st) != 0)
+        die_sys("fstat memfd");
+    return (uint64_t)st.st_blocks * 512u;
+}
+
+/* mpl_region_populate: must not bring back memory grow gave back, and must work
+ * while another process grows slots. */
+static void contract_populate(void) {
+    snprintf(g_who, sizeof g_who, "contract/populate");
+    mpl_region r;
+    int rc = mpl_region_create(&r, 2, 0, 0);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(2, 0, 0) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    CHECK_RC(mpl_slot_assign(&r, 0, 1), MPL_OK);
+    CHECK_RC(mpl_slot_begin(&r, 0, 1), MPL_OK);
+    do_grow(&r, 0, 1, 4u << 20, 0, 0);
+    do_grow(&r, 0, 1, 4096, 0, 0); /* gives the 4 MiB range back */
+    uint64_t before = file_alloc_bytes(r.fd);
+    CHECK_RC(mpl_region_populate(&r), MPL_OK);
+    uint64_t after = file_alloc_bytes(r.fd);
+    CHECK(after < before + (1u << 20),
+          "mpl_region_populate re-allocated %" PRIu64 " KiB of payload ranges that mpl_slot_grow had released "
+          "(memfd allocation %" PRIu64 " -> %" PRIu64 " KiB)",
+          (after - before) >> 10, before >> 10, after >> 10);
+
+    /* populate in one process while another grows (a worker starting while others work) */
+    int ready[2], stop[2];
+    if (pipe(ready) != 0 || pipe(stop) != 0)
+        die_sys("pipe");
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid < 0)
+        die_sys("fork");
+    if (pid == 0) {
+        g_is_child = 1;
+        snprintf(g_who, sizeof g_who, "contract/populate child");
+        close(ready[0]);
+        close(stop[1]);
+        char c = 1;
+        if (write(ready[1], &c, 1) != 1)
+            _exit(5);
+        for (int i = 0; i < 20000; i++) {
+            rc = mpl_region_populate(&r);
+            if (rc != MPL_OK)
+                FAIL("mpl_region_populate returned %s (errno %d: %s) on iteration %d while another process grows "
+                     "a slot",
+                     rc_name(rc), errno, strerror(errno), i);
+            struct pollfd pf = {stop[0], POLLIN, 0};
+            if (poll(&pf, 1, 0) > 0)
+                break;
+        }
+        _exit(0);
+    }
+    close(ready[1]);
+    close(stop[0]);
+    char c;
+    if (read(ready[0], &c, 1) != 1)
+        die_sys("read ready");
+    for (int i = 0; i < 4000; i++)
+        do_grow(&r, 0, 1, 4096u * (1u + (uint32_t)i % 3u), 0, 0);
+    close(stop[1]);
+    int status;
+    if (waitpid(pid, &status, 0) != pid)
+        die_sys("waitpid");
+    if (WIFSIGNALED(status))
+        FAIL("populate child killed by signal %d (%s) while another process grew a slot", WTERMSIG(status),
+             strsignal(WTERMSIG(status)));
+    else
+        CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+              "mpl_region_populate failed while another process grew a slot (child status 0x%x)", status);
+    close(ready[0]);
+    mpl_region_unmap(&r);
+}
+
+/* pdeathsig: a worker whose parent dies gets the signal; one whose parent is
+ * already gone exits at once. */
+static void contract_pdeathsig(void) {
+    snprintf(g_who, sizeof g_who, "contract/pdeathsig");
+    if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0)
+        die_sys("prctl(PR_SET_CHILD_SUBREAPER)");
+    int info[2], life[2], hold[2], ab[2];
+    if (pipe(info) != 0 || pipe(life) != 0 || pipe(hold) != 0 || pipe(ab) != 0)
+        die_sys("pipe");
+    fflush(NULL);
+    pid_t a = fork();
+    if (a < 0)
+        die_sys("fork");
+    if (a == 0) { /* middle process: the worker's parent, which dies */
+        g_is_child = 1;
+        pid_t me = getpid();
+        pid_t b = fork();
+        if (b < 0)
+            _exit(6);
+        if (b == 0) { /* the worker */
+            close(ab[0]);
+            close(hold[1]);
+            close(info[0]);
+            close(info[1]);
+            close(life[0]);
+            if (mpl_set_pdeathsig(SIGKILL, me) != MPL_OK)
+                _exit(10);
+            char c = 1;
+            if (write(ab[1], &c, 1) != 1)
+                _exit(12);
+            ssize_t n = read(hold[0], &c, 1); /* blocks until killed, or the test gives up */
+            (void)n;
+            _exit(11);
+        }
+        close(life[1]);
+        close(ab[1]);
+        char c;
+        if (read(ab[0], &c, 1) != 1) /* the worker armed its pdeathsig */
+            _exit(7);
+        if (write(info[1], &b, sizeof b) != (ssize_t)sizeof b)
+            _exit(8);
+        _exit(0);
+    }
+    close(info[1]);
+    close(life[1]);
+    close(ab[0]);
+    close(ab[1]);
+    close(hold[0]);
+    int status;
+    if (waitpid(a, &status, 0) != a)
+        die_sys("waitpid");
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "middle process status 0x%x", status);
+    pid_t b = -1;
+    if (read(info[0], &b, sizeof b) != (ssize_t)sizeof b) {
+        FAIL("no worker pid from the middle process");
+    } else {
+        /* The worker holds life[1]; it closes when the worker dies. */
+        struct pollfd pf = {life[0], POLLIN, 0};
+        int pr = poll(&pf, 1, 5000);
+        char c;
+        int dead = pr > 0 && read(life[0], &c, 1) == 0;
+        if (!dead) {
+            close(hold[1]); /* let it go */
+            hold[1] = -1;
+        }
+        if (waitpid(b, &status, 0) != b)
+            die_sys("waitpid worker");
+        CHECK(dead && WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL,
+              "worker of a dead parent not killed by its pdeathsig (status 0x%x)", status);
+    }
+    close(info[0]);
+    close(life[0]);
+    if (hold[1] >= 0)
+        close(hold[1]);
+
+    /* expected_ppid that is not our parent: the call must not return */
+    pid_t c = fork();
+    if (c < 0)
+        die_sys("fork");
+    if (c == 0) {
+        g_is_child = 1;
+        pid_t not_parent = getpid();
+        int rc = mpl_set_pdeathsig(SIGTERM, not_parent);
+        _exit(rc == MPL_OK ? 20 : 21);
+    }
+    if (waitpid(c, &status, 0) != c)
+        die_sys("waitpid");
+    CHECK(!(WIFEXITED(status) && (WEXITSTATUS(status) == 20 || WEXITSTATUS(status) == 21)),
+          "mpl_set_pdeathsig returned (status 0x%x) although expected_ppid is not the parent", status);
+    if (prctl(PR_SET_CHILD_SUBREAPER, 0) != 0)
+        die_sys("prctl(PR_SET_CHILD_SUBREAPER, 0)");
+}
+
+static void run_contract(void) {
+    g_soft = 1;
+    contract_states();
+    contract_grow();
+    contract_enospace();
+    contract_create();
+    contract_dead_worker();
+    contract_preserve_gt_need();
+    contract_populate();
+    contract_pdeathsig();
+    snprintf(g_who, sizeof g_who, "parent");
+    g_soft = 0;
+}
+
+/* ------------------------------------------------------------------------- */
+/* stress phase                                                               */
+
+enum { M_FREE, M_INFLIGHT, M_LEASED };
+
+typedef struct {
+    int st;          /* M_* */
+    uint64_t seq;    /* batch in the slot (INFLIGHT, LEASED) */
+    int worker;      /* worker it was handed to */
+    uint64_t cap;    /* capacity as of the last lease (what the next worker sees) */
+    uint32_t gc;     /* grow_count as of the last lease */
+} slot_model_t;
+
+typedef struct {
+    uint64_t grows, out_of_order, max_held, probes, short_waits, short_timeouts, bytes;
+} stats_t;
+
+static int model_find_free(const slot_model_t *sm, uint32_t n, uint32_t start) {
+    for (uint32_t k = 0; k < n; k++) {
+        uint32_t i = (start + k) % n;
+        if (sm[i].st == M_FREE)
+            return (int)i;
+    }
+    return -1;
+}
+
+static void report_workers(const cfg_t *cfg, const pid_t *pids) {
+    if (cfg->threads)
+        return;
+    for (int w = 0; w < cfg->workers; w++) {
+        int status;
+        pid_t p = waitpid(pids[w], &status, WNOHANG);
+        if (p == pids[w])
+            fprintf(stderr, "test_ring: worker %d (pid %d) is gone: status 0x%x%s\n", w, (int)pids[w], status,
+                    WIFSIGNALED(status) ? " (killed by a signal)" : "");
+    }
+}
+
+/* The parent's check of a fresh lease against what the worker must have done. */
+static void verify_lease(mpl_region *r, const cfg_t *cfg, slot_model_t *sm, uint32_t slot, const pid_t *pids,
+                         uint64_t hend, stats_t *stats) {
+    slot_model_t *x = &sm[slot];
+    uint64_t seq = x->seq;
+    mpl_slot_meta *m = mpl_slot_meta_of(r, slot);
+    plan_t pl = make_plan(cfg->seed, seq, cfg->max_need, cfg->grow_pct);
+    uint32_t grows = planned_grows(&pl, x->cap);
+    uint32_t flags = pl.flags | (grows ? MPL_FLAG_GROWN : 0u);
+    pid_t pid = cfg->threads ? getpid() : pids[x->worker];
+    CHECK_STATE(r, slot, MPL_LEASED);
+    CHECK(m->seq == seq, "slot %u: meta.seq %" PRIu64 ", expected %" PRIu64, slot, m->seq, seq);
+    CHECK(m->used == pl.need && m->kind == pl.kind && m->flags == flags && m->desc_off == pl.desc_off &&
+              m->desc_len == pl.desc_len && m->worker_pid == (int32_t)pid,
+          "seq %" PRIu64 " slot %u header: used %" PRIu64 "/%" PRIu64 " kind %u/%u flags %u/%u desc %" PRIu64
+          "+%" PRIu64 "/%" PRIu64 "+%" PRIu64 " pid %d/%d (got/expected)",
+          seq, slot, m->used, pl.need, m->kind, pl.kind, m->flags, flags, m->desc_off, m->desc_len, pl.desc_off,
+          pl.desc_len, (int)m->worker_pid, (int)pid);
+    CHECK(m->grow_count == x->gc + grows, "seq %" PRIu64 " slot %u: grow_count %u, expected %u + %u", seq, slot,
+          m->grow_count, x->gc, grows);
+    CHECK(m->capacity >= m->used && (grows == 0 || m->capacity >= grow_target(&pl)),
+          "seq %" PRIu64 " slot %u: capacity %" PRIu64 " for used %" PRIu64, seq, slot, m->capacity, m->used);
+    CHECK(m->offset >= hend && m->offset + m->capacity <= mpl_region_file_bytes(r) &&
+              m->offset + m->capacity <= r->reserve_bytes,
+          "seq %" PRIu64 " slot %u: payload [%" PRIu64 ", +%" PRIu64 ") outside [headers end %" PRIu64
+          ", file end %" PRIu64 ")",
+          seq, slot, m->offset, m->capacity, hend, mpl_region_file_bytes(r));
+    CHECK(mpl_slot_payload(r, slot) == r->base + m->offset, "payload pointer is not base + offset");
+    /* FREE and LEASED slots' ranges are stable (only the parent moves those slots). */
+    for (uint32_t t = 0; t < r->nslots; t++) {
+        if (t == slot || sm[t].st == M_INFLIGHT)
+            continue;
+        mpl_slot_meta *o = mpl_slot_meta_of(r, t);
+        CHECK(!ranges_overlap(m->offset, m->capacity, o->offset, o->capacity),
+              "seq %" PRIu64 " slot %u payload [%" PRIu64 ", +%" PRIu64 ") overlaps %s slot %u's [%" PRIu64
+              ", +%" PRIu64 ")",
+              seq, slot, m->offset, m->capacity, sm[t].st == M_FREE ? "FREE" : "LEASED", t, o->offset, o->capacity);
+    }
+    int64_t bad = pat_bad(mpl_slot_payload(r, slot), 0, m->used, pat_key(cfg->seed, seq));
+    CHECK(bad < 0, "seq %" PRIu64 " slot %u: payload byte %" PRId64 " of %" PRIu64 " wrong", seq, slot, bad, m->used);
+    x->cap = m->capacity;
+    x->gc = m->grow_count;
+    stats->grows += grows;
+    stats->bytes += m->used;
+}
+
+static void release_lease(mpl_region *r, const cfg_t *cfg, slot_model_t *sm, uint32_t slot) {
+    slot_model_t *x = &sm[slot];
+    mpl_slot_meta *m = mpl_slot_meta_of(r, slot);
+    /* Still intact after being held while workers grew and wrote other slots. */
+    CHECK(m->seq == x->seq, "held slot %u: meta.seq changed to %" PRIu64, slot, m->seq);
+    int64_t bad = pat_bad(mpl_slot_payload(r, slot), 0, m->used, pat_key(cfg->seed, x->seq));
+    CHECK(bad < 0, "held lease seq %" PRIu64 " slot %u: payload byte %" PRId64 " changed while leased", x->seq, slot,
+          bad);
+    CHECK_RC(mpl_slot_release(r, slot), MPL_OK);
+    CHECK_STATE(r, slot, MPL_FREE);
+    CHECK_RC(mpl_slot_release(r, slot), MPL_ESTATE);
+    x->st = M_FREE;
+}
+
+/* Error returns that are safe to provoke while workers run: only edges that must be
+ * refused in the slot's current state (no reclaim of in-flight slots). */
+static void probe(mpl_region *r, slot_model_t *sm, uint32_t slot, stats_t *stats) {
+    stats->probes++;
+    switch (sm[slot].st) {
+    case M_FREE:
+        CHECK_RC(mpl_slot_release(r, slot), MPL_ESTATE);
+        CHECK_RC(mpl_slot_reclaim(r, slot), MPL_ESTATE);
+        CHECK_RC(mpl_slot_wait(r, slot, 0), MPL_ESTATE);
+        CHECK_STATE(r, slot, MPL_FREE);
+        break;
+    case M_LEASED:
+        CHECK_RC(mpl_slot_assign(r, slot, UINT64_MAX), MPL_ESTATE);
+        CHECK_RC(mpl_slot_reclaim(r, slot), MPL_ESTATE);
+        CHECK_RC(mpl_slot_wait(r, slot, 0), MPL_ESTATE);
+        CHECK_STATE(r, slot, MPL_LEASED);
+        CHECK(mpl_slot_meta_of(r, slot)->seq == sm[slot].seq, "refused assign changed a lease's seq");
+        break;
+    case M_INFLIGHT: {
+        CHECK_RC(mpl_slot_assign(r, slot, UINT64_MAX), MPL_ESTATE);
+        CHECK_RC(mpl_slot_release(r, slot), MPL_ESTATE);
+        uint32_t st = mpl_slot_state(r, slot);
+        CHECK(st == MPL_ASSIGNED || st == MPL_READY, "in-flight slot %u is %s", slot, state_name(st));
+        break;
+    }
+    }
+}
+
+static void send_task(int fd, uint64_t seq, uint32_t slot) {
+    task_t t = {seq, slot, TASK_MAGIC};
+    for (;;) {
+        ssize_t n = write(fd, &t, sizeof t);
+        if (n == (ssize_t)sizeof t)
+            return;
+        if (n < 0 && errno == EINTR)
+            continue;
+        die_sys("write task");
+    }
+}
+
+static void run_stress(const cfg_t *cfg, stats_t *stats) {
+    uint32_t n = cfg->nslots;
+    int K = cfg->workers;
+    mpl_region r;
+    int rc = mpl_region_create(&r, n, cfg->slot_bytes, 0);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(%u, %" PRIu64 ", 0) returned %s (errno %d)", n, cfg->slot_bytes, rc_name(rc), errno);
+        return;
+    }
+    uint64_t hend = headers_end(&r);
+    slot_model_t *sm = calloc(n, sizeof *sm);
+    uint32_t *held = calloc(n, sizeof *held);
+    uint32_t *seq_slot = calloc(cfg->batches ? cfg->batches : 1, sizeof *seq_slot);
+    pid_t *pids = calloc((size_t)K, sizeof *pids);
+    int *wfd = calloc((size_t)K, sizeof *wfd);
+    worker_arg_t *wargs = calloc((size_t)K, sizeof *wargs);
+    if (!sm || !held || !seq_slot || !pids || !wfd || !wargs)
+        die_sys("calloc");
+    g_pub_ns = mmap(NULL, n * sizeof *g_pub_ns, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+    if (g_pub_ns == MAP_FAILED)
+        die_sys("mmap");
+    signal(SIGUSR1, on_worker_failed);
+    for (uint32_t s = 0; s < n; s++) {
+        mpl_slot_meta *m = mpl_slot_meta_of(&r, s);
+        CHECK(m->capacity >= cfg->slot_bytes, "slot %u capacity %" PRIu64 " < slot_bytes", s, m->capacity);
+        sm[s].cap = m->capacity;
+        sm[s].gc = m->grow_count;
+    }
+
+    /* start the workers */
+    int ready[2];
+    if (pipe(ready) != 0)
+        die_sys("pipe");
+    pid_t parent = getpid();
+    for (int w = 0; w < K; w++) {
+        int p[2];
+        if (pipe(p) != 0)
+            die_sys("pipe");
+        wfd[w] = p[1];
+        if (cfg->threads) {
+            wargs[w] = (worker_arg_t){&r, cfg, w, p[0], 0};
+            if (pthread_create(&wargs[w].tid, NULL, worker_thread, &wargs[w]) != 0)
+                die_sys("pthread_create");
+            continue;
+        }
+        fflush(NULL);
+        pid_t pid = fork();
+        if (pid < 0)
+            die_sys("fork");
+        if (pid == 0) {
+            g_is_child = 1;
+            g_notify_pid = parent;
+            snprintf(g_who, sizeof g_who, "worker %d pid %d", w, (int)getpid());
+            for (int v = 0; v <= w; v++)
+                close(wfd[v]);
+            close(ready[0]);
+            CHECK_RC(mpl_set_pdeathsig(SIGKILL, parent), MPL_OK);
+            CHECK_RC(mpl_region_populate(&r), MPL_OK);
+            char c = 1;
+            if (write(ready[1], &c, 1) != 1)
+                _exit(4);
+            close(ready[1]);
+            worker_loop(&r, cfg, p[0]);
+            _exit(0);
+        }
+        pids[w] = pid;
+        close(p[0]);
+    }
+    close(ready[1]);
+    if (!cfg->threads) {
+        /* All workers have populated before any of them grows: mpl_region_populate
+         * racing a grow is contract_populate's business, not this loop's. */
+        for (int w = 0; w < K; w++) {
+            char c;
+            if (read(ready[0], &c, 1) != 1) {
+                report_workers(cfg, pids);
+                FAIL("worker %d of %d never became ready", w, K);
+            }
+        }
+    }
+    close(ready[0]);
+
+    rng_t g = {mix64(cfg->seed ^ 0xa5a5a5a5ull)};
+    uint64_t next_assign = 0, next_wait = 0;
+    uint32_t nheld = 0, inflight = 0, cursor = 0;
+    uint64_t max_need = 0;
+    while (next_wait < cfg->batches) {
+        /* hand out batches: sometimes only a few at a time */
+        uint32_t limit = rng_below(&g, 8) == 0 ? 1 + (uint32_t)rng_below(&g, n) : n;
+        while (next_assign < cfg->batches && inflight < limit) {
+            uint32_t start = rng_below(&g, 2) ? cursor : (uint32_t)rng_below(&g, n);
+            int s = mpl_find_free(&r, start), e = model_find_free(sm, n, start);
+            CHECK(s == e, "find_free(%u) = %d, expected %d", start, s, e);
+            if (s < 0)
+                break;
+            uint64_t seq = next_assign++;
+            CHECK_RC(mpl_slot_assign(&r, (uint32_t)s, seq), MPL_OK);
+            CHECK_STATE(&r, (uint32_t)s, MPL_ASSIGNED);
+            CHECK(mpl_slot_meta_of(&r, (uint32_t)s)->seq == seq, "meta.seq after assign");
+            int w = (int)rng_below(&g, (uint64_t)K);
+            sm[s] = (slot_model_t){M_INFLIGHT, seq, w, sm[s].cap, sm[s].gc};
+            seq_slot[seq] = (uint32_t)s;
+            inflight++;
+            cursor = ((uint32_t)s + 1) % n;
+            send_task(wfd[w], seq, (uint32_t)s);
+            max_need = u64max(max_need, make_plan(cfg->seed, seq, cfg->max_need, cfg->grow_pct).need);
+        }
+        if (rng_below(&g, 4) == 0)
+            probe(&r, sm, (uint32_t)rng_below(&g, n), stats);
+
+        /* the next batch in order */
+        uint64_t seq = next_wait;
+        uint32_t s = seq_slot[seq];
+        CHECK(sm[s].st == M_INFLIGHT && sm[s].seq == seq, "model lost seq %" PRIu64, seq);
+        rc = MPL_ETIMEDOUT;
+        int64_t t_wait = now_ns();
+        if (rng_below(&g, 8) == 0) {
+            stats->short_waits++;
+            rc = mpl_slot_wait(&r, s, (int64_t)rng_below(&g, 2) * 200000);
+            if (rc == MPL_ETIMEDOUT) {
+                stats->short_timeouts++;
+                uint32_t st = mpl_slot_state(&r, s);
+                CHECK(st == MPL_ASSIGNED || st == MPL_READY, "slot %u is %s after a timed-out wait", s,
+                      state_name(st));
+            } else {
+                CHECK_RC(rc, MPL_OK);
+            }
+        }
+        if (rc == MPL_ETIMEDOUT) {
+            int64_t t0 = now_ns();
+            rc = mpl_slot_wait(&r, s, STRESS_WAIT_NS);
+            if (rc != MPL_OK) {
+                uint32_t st = mpl_slot_state(&r, s);
+                report_workers(cfg, pids);
+                FAIL("wait for seq %" PRIu64 " (slot %u, worker %d) returned %s after %.3f s; the slot is %s%s", seq,
+                     s, sm[s].worker, rc_name(rc), (double)(now_ns() - t0) / 1e9, state_name(st),
+                     st == MPL_READY ? " (published but the wait never woke: lost wake-up)" : "");
+            }
+        }
+        int64_t t_woke = now_ns(), t_pub = g_pub_ns[s];
+        int64_t t_from = t_pub > t_wait ? t_pub : t_wait;
+        CHECK(t_woke - t_from <= WAKE_LATENCY_NS,
+              "wait for seq %" PRIu64 " (slot %u) returned %.3f s after the worker published: lost wake-up", seq, s,
+              (double)(t_woke - t_pub) / 1e9);
+        verify_lease(&r, cfg, sm, s, pids, hend, stats);
+        sm[s].st = M_LEASED;
+        held[nheld++] = s;
+        inflight--;
+        next_wait++;
+        stats->max_held = u64max(stats->max_held, nheld);
+
+        /* keep a random number of leases (at most n-1, so a slot stays for the
+         * next batch); release the rest in random order */
+        uint32_t keep = (uint32_t)rng_below(&g, n);
+        while (nheld > keep) {
+            uint32_t i = (uint32_t)rng_below(&g, nheld);
+            if (i != 0)
+                stats->out_of_order++;
+            release_lease(&r, cfg, sm, held[i]);
+            memmove(&held[i], &held[i + 1], (nheld - i - 1) * sizeof *held);
+            nheld--;
+        }
+    }
+    while (nheld > 0) {
+        uint32_t i = (uint32_t)rng_below(&g, nheld);
+        release_lease(&r, cfg, sm, held[i]);
+        memmove(&held[i], &held[i + 1], (nheld - i - 1) * sizeof *held);
+        nheld--;
+    }
+
+    /* stop the workers: EOF on their task pipes */
+    for (int w = 0; w < K; w++)
+        close(wfd[w]);
+    for (int w = 0; w < K; w++) {
+        if (cfg->threads) {
+            if (pthread_join(wargs[w].tid, NULL) != 0)
+                die_sys("pthread_join");
+            close(wargs[w].rfd);
+            continue;
+        }
+        int status;
+        if (waitpid(pids[w], &status, 0) != pids[w])
+            die_sys("waitpid worker");
+        CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "worker %d (pid %d) ended with status 0x%x", w,
+              (int)pids[w], status);
+    }
+
+    signal(SIGUSR1, SIG_DFL);
+    for (uint32_t s = 0; s < n; s++) {
+        CHECK_STATE(&r, s, MPL_FREE);
+        CHECK(mpl_find_free(&r, s) == (int)s, "find_free(%u) = %d at the end", s, mpl_find_free(&r, s));
+        mpl_slot_meta *a = mpl_slot_meta_of(&r, s);
+        CHECK(a->offset >= hend && a->offset + a->capacity <= mpl_region_file_bytes(&r),
+              "slot %u range outside the payload area at the end", s);
+        for (uint32_t t = 0; t < s; t++) {
+            mpl_slot_meta *b = mpl_slot_meta_of(&r, t);
+            CHECK(!ranges_overlap(a->offset, a->capacity, b->offset, b->capacity), "slots %u and %u overlap at the end",
+                  s, t);
+        }
+    }
+    uint64_t hint = mpl_region_size_hint(&r);
+    CHECK(hint >= max_need, "size hint %" PRIu64 " < largest need %" PRIu64, hint, max_need);
+    CHECK(hint <= u64max(cfg->slot_bytes, cfg->max_need + 5000),
+          "size hint %" PRIu64 " larger than anything asked for", hint);
+    mpl_region_unmap(&r);
+    mpl_region_unmap(&r);
+    free(sm);
+    free(held);
+    free(seq_slot);
+    free(pids);
+    free(wfd);
+    free(wargs);
+    munmap(g_pub_ns, n * sizeof *g_pub_ns);
+    g_pub_ns = NULL;
+}
+
+/* ------------------------------------------------------------------------- */
+
+static int parse_u64(const char *s, uint64_t *out) {
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(s, &end, 0);
+    if (errno || end == s || *end || s[0] == '-')
+        return -1;
+    *out = v;
+    return 0;
+}
+
+static void usage(void) {
+    fprintf(stderr, "usage: test_ring WORKERS BATCHES SEED [phase=all|contract|stress] [mode=fork|thread] "
+                    "[slots=N] [slot_bytes=N] [max_need=N] [grow_pct=0..100] [watchdog=SECONDS]\n");
+    exit(2);
+}
+
+int main(int argc, char **argv) {
+    g_main_thread = pthread_self();
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    cfg_t cfg = {.nslots = 4, .max_need = 98304, .grow_pct = 12, .do_contract = 1, .do_stress = 1, .watchdog = 60};
+    uint64_t v;
+    if (argc < 4)
+        usage();
+    if (parse_u64(argv[1], &v) || v < 1 || v > 64)
+        usage();
+    cfg.workers = (int)v;
+    if (parse_u64(argv[2], &cfg.batches) || parse_u64(argv[3], &cfg.seed))
+        usage();
+    for (int i = 4; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "phase=all"))
+            cfg.do_contract = cfg.do_stress = 1;
+        else if (!strcmp(a, "phase=contract"))
+            cfg.do_contract = 1, cfg.do_stress = 0;
+        else if (!strcmp(a, "phase=stress"))
+            cfg.do_contract = 0, cfg.do_stress = 1;
+        else if (!strcmp(a, "mode=fork"))
+            cfg.threads = 0;
+        else if (!strcmp(a, "mode=thread"))
+            cfg.threads = 1;
+        else if (!strncmp(a, "slots=", 6) && !parse_u64(a + 6, &v) && v >= 2 && v <= 4096)
+            cfg.nslots = (uint32_t)v;
+        else if (!strncmp(a, "slot_bytes=", 11) && !parse_u64(a + 11, &v) && v <= (1ull << 30))
+            cfg.slot_bytes = v;
+        else if (!strncmp(a, "max_need=", 9) && !parse_u64(a + 9, &v) && v >= 1 && v <= (1ull << 30))
+            cfg.max_need = v;
+        else if (!strncmp(a, "grow_pct=", 9) && !parse_u64(a + 9, &v) && v <= 100)
+            cfg.grow_pct = v;
+        else if (!strncmp(a, "watchdog=", 9) && !parse_u64(a + 9, &v) && v <= 3600)
+            cfg.watchdog = (unsigned)v;
+        else
+            usage();
+    }
+    signal(SIGPIPE, SIG_IGN);
+    if (cfg.watchdog) {
+        signal(SIGALRM, on_watchdog);
+        alarm(cfg.watchdog);
+    }
+    int64_t t0 = now_ns();
+    if (cfg.do_contract)
+        run_contract();
+    stats_t st = {0};
+    if (cfg.do_stress)
+        run_stress(&cfg, &st);
+    if (g_soft_failures) {
+        fprintf(stderr, "test_ring FAIL: %d contract check(s) failed (see above)\n", g_soft_failures);
+        return 1;
+    }
+    printf("test_ring OK: phase=%s mode=%s workers=%d batches=%" PRIu64 " seed=%" PRIu64 " slots=%u slot_bytes=%" PRIu64
+           " max_need=%" PRIu64 " grow_pct=%" PRIu64 " grows=%" PRIu64 " max_held=%" PRIu64 " out_of_order_releases=%" PRIu64
+           " probes=%" PRIu64 " short_waits=%" PRIu64 "/%" PRIu64 " MiB=%.1f checks=%lu time=%.2fs\n",
+           cfg.do_contract && cfg.do_stress ? "all" : cfg.do_contract ? "contract" : "stress",
+           cfg.threads ? "thread" : "fork", cfg.workers, cfg.batches, cfg.seed, cfg.nslots, cfg.slot_bytes,
+           cfg.max_need, cfg.grow_pct, st.grows, st.max_held, st.out_of_order, st.probes, st.short_timeouts, st.short_waits,
+           (double)st.bytes / (1 << 20), (unsigned long)atomic_load(&g_checks), (double)(now_ns() - t0) / 1e9);
+    return 0;
+}
