@@ -1,9 +1,12 @@
 """mploader: forked data-loading workers that collate batches straight into a
 shared-memory slot ring; the training loop receives zero-copy numpy views."""
+from . import batchify, sampler
 from ._collate import default_batchify
 from ._engine import WorkerError
 from .dataloader import DataLoader
+from .iterators import MultiprocessIterator, OrderSampler, ShuffleOrderSampler
 from .sampler import BatchSampler, FilterSampler, IntervalSampler, RandomSampler, Sampler, SequentialSampler
+from .sharded import ShardedDataLoader
 
 __all__ = [
     "DataLoader",
@@ -15,5 +18,11 @@ __all__ = [
     "BatchSampler",
     "FilterSampler",
     "IntervalSampler",
+    "MultiprocessIterator",
+    "OrderSampler",
+    "ShuffleOrderSampler",
+    "ShardedDataLoader",
+    "sampler",
+    "batchify",
 ]
 __version__ = "0.1.0"

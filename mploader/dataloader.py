@@ -1,7 +1,10 @@
 """``mploader.DataLoader``: MXNet Gluon's DataLoader on the slot ring."""
 from __future__ import annotations
 
+import ctypes
 import numbers
+import warnings
+import weakref
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -13,25 +16,36 @@ from .sampler import BatchSampler, RandomSampler, SequentialSampler
 _LAST_BATCH = ("keep", "discard", "rollover")
 
 
-def make_fetch(batchify_fn: Callable | None) -> Callable:
+def make_fetch(batchify_fn: Callable | None, sharded: bool = False) -> Callable:
     """``fetch(dataset, indices, alloc)`` for one batch of indices.
 
     Batchify functions with a ``collate(samples, alloc)`` method (the default, and
     those of :mod:`mploader.batchify`) write straight into ``alloc``'s arrays; any
     other callable is called as ``batchify_fn(samples)`` and its arrays are copied
     into the slot once.
+
+    With ``sharded`` (GluonNLP's ShardedDataLoader), a batch whose first element is a
+    list or tuple is a list of shards: the result is the list of the shards'
+    batchified results, all built by the same call (one worker, one slot).
     """
     if batchify_fn is None:
-        def fetch(dataset, indices, alloc):
+        def one(dataset, indices, alloc):
             return collate([dataset[i] for i in indices], alloc)
     elif hasattr(batchify_fn, "collate"):
         into = batchify_fn.collate
 
-        def fetch(dataset, indices, alloc):
+        def one(dataset, indices, alloc):
             return into([dataset[i] for i in indices], alloc)
     else:
-        def fetch(dataset, indices, alloc):
+        def one(dataset, indices, alloc):
             return batchify_fn([dataset[i] for i in indices])
+    if not sharded:
+        return one
+
+    def fetch(dataset, indices, alloc):
+        if len(indices) and isinstance(indices[0], (list, tuple)):
+            return [one(dataset, shard, alloc) for shard in indices]
+        return one(dataset, indices, alloc)
     return fetch
 
 
@@ -47,6 +61,116 @@ def check_nonneg_int(name: str, value: Any) -> int:
     return int(value)
 
 
+#: cudaHostRegisterPortable: the registration counts for every CUDA context.
+_CUDA_HOST_REGISTER_PORTABLE = 1
+#: madvise(2) advice that undoes MADV_DONTFORK (include/uapi/asm-generic/mman-common.h).
+_MADV_DOFORK = 11
+
+
+def cuda_runtime(device_id: int) -> tuple[Any, Callable[[], Any]] | None:
+    """torch's CUDA runtime bindings and a context manager factory selecting
+    ``device_id``, when torch with a usable CUDA device is installed; else None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    try:
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.cudart(), lambda: torch.cuda.device(device_id)
+    except Exception:  # noqa: BLE001 - a broken CUDA setup means: do not pin
+        return None
+
+
+def _madvise_dofork(address: int, nbytes: int) -> None:
+    """Make sure workers forked later still inherit a registered range (some drivers
+    mark page-locked memory MADV_DONTFORK; the region is MAP_SHARED, so inheriting
+    it is safe)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_DOFORK)
+    except Exception:  # noqa: BLE001 - best effort
+        pass
+
+
+class HostPinner:
+    """Page-locks an engine's shared region for CUDA, so batch views are pinned memory.
+
+    The region's file grows inside a fixed address reservation (docs/design.md,
+    "Growth"), so :meth:`update` registers (``cudaHostRegister``, portable) only the
+    part of the file not registered yet; called after each batch arrives, it makes
+    every byte a returned batch views page-locked, at the cost of one registration
+    per growth of the region.  :meth:`release` unregisters every range.  The pinner
+    holds the ``Region`` object, so the mapping cannot disappear before
+    :meth:`release` has run.  Ranges a slot grew out of stay registered (and hence
+    resident) until then.
+
+    Parameters
+    ----------
+    cudart : object
+        ``torch.cuda.cudart()``: ``cudaHostRegister(ptr, nbytes, flags)`` and
+        ``cudaHostUnregister(ptr)``, each returning a cudaError (0 on success).
+    device : callable
+        Returns a context manager that selects the pinning device.
+    resources : object
+        The engine's resources; ``resources.region`` is the Region once started.
+    """
+
+    def __init__(self, cudart: Any, device: Callable[[], Any], resources: Any) -> None:
+        self._cudart = cudart
+        self._device = device
+        self._resources = resources
+        self._region: Any = None
+        self._registered_bytes = 0
+        self._ranges: list[int] = []
+        self._failed = False
+
+    @property
+    def ranges(self) -> list[int]:
+        """Start addresses of the registered ranges."""
+        return list(self._ranges)
+
+    def update(self) -> None:
+        """Register the region's bytes that are not registered yet (none: no-op)."""
+        if self._failed:
+            return
+        region = self._region
+        if region is None:
+            region = self._resources.region
+            if region is None:
+                return
+            self._region = region
+        end = region.file_bytes
+        start = self._registered_bytes
+        if end <= start:
+            return
+        address = region.address + start
+        with self._device():
+            rc = self._cudart.cudaHostRegister(address, end - start, _CUDA_HOST_REGISTER_PORTABLE)
+        code = int(getattr(rc, "value", rc))
+        if code != 0:
+            self._failed = True
+            warnings.warn(f"pin_memory: cudaHostRegister of {end - start} bytes of the shared region failed "
+                          f"(cudaError {code}); batches are returned in unpinned memory", RuntimeWarning,
+                          stacklevel=3)
+            return
+        _madvise_dofork(address, end - start)
+        self._ranges.append(address)
+        self._registered_bytes = end
+
+    def release(self) -> None:
+        """Unregister every range and let go of the region.  Idempotent."""
+        ranges, self._ranges = self._ranges, []
+        for address in ranges:
+            try:
+                with self._device():
+                    self._cudart.cudaHostUnregister(address)
+            except Exception:  # noqa: BLE001 - at exit CUDA may already be gone
+                pass
+        self._region = None
+        self._failed = True
+
+
 def draw_seed(seed: int | None) -> int:
     """The loader's base seed: ``seed``, or one draw from NumPy's global RNG (so
     ``np.random.seed`` makes loaders reproducible, as torch's loader does with
@@ -60,6 +184,13 @@ def draw_seed(seed: int | None) -> int:
 
 class DataLoader:
     """Loads samples from a dataset and returns batches, as ``mxnet.gluon.data.DataLoader``.
+
+    Iterating the loader (``for batch in loader``) runs one epoch; ``len(loader)`` is
+    the number of batches the next epoch yields (``len(batch_sampler)``).  An
+    iterator keeps working after the loader object itself is gone, and starting a new
+    iteration of the same loader ends the previous one (it raises RuntimeError if
+    used again).  ``close()`` or a ``with`` block stops the workers; otherwise they
+    stop when the loader and its iterators have been garbage-collected.
 
     Workers are forked processes that collate each batch directly into a slot of a
     shared-memory ring; every array of a returned batch is a zero-copy view of that
@@ -87,8 +218,17 @@ class DataLoader:
         (stacks arrays and numbers, recursing into tuples, lists, dicts).
     num_workers : int
         Worker processes; 0 loads in the calling process.
-    pin_memory, pin_device_id :
-        Accepted for compatibility; without CUDA they do nothing.
+    pin_memory : bool
+        When torch with a usable CUDA device is installed and the loader uses worker
+        processes, the shared region is page-locked (``cudaHostRegister``) as it
+        grows, so every returned array is already in pinned memory and
+        ``torch.from_numpy(a).cuda(non_blocking=True)`` copies asynchronously without
+        an extra copy (Gluon copied each batch into pinned memory instead).  Otherwise
+        (no torch, no CUDA, ``num_workers=0`` or ``thread_pool=True``) it is a no-op:
+        batches are ordinary host memory.
+    pin_device_id : int
+        CUDA device whose context registers the region; the registration is
+        portable, i.e. pinned for every device.
     prefetch : int, optional
         Batches in flight (default ``2 * num_workers``).
     thread_pool : bool
@@ -96,8 +236,11 @@ class DataLoader:
     timeout : float
         Seconds one batch may take once the loader waits for it (default 120);
         None or 0 disables.  Exceeding it raises ``TimeoutError``.
-    try_nopython : bool, optional
-        Accepted for compatibility with Gluon; ignored (there is no C++ pipeline).
+    try_nopython : bool or None, optional
+        Accepted for compatibility with Gluon 2.0, where it asks MXNet to compile
+        the pipeline to C++; mploader has no such pipeline, so every value means
+        "use the Python pipeline" (Gluon's behaviour when the compilation is not
+        possible, except that ``True`` does not raise).
     shared_mem : int, optional
         Payload bytes per slot; None sizes slots from the first batch with 25 %
         headroom.  Batches that do not fit make the slot grow.
@@ -116,6 +259,10 @@ class DataLoader:
     ValueError
         An argument is out of range or conflicts with another (the message names it).
     """
+
+    #: Whether batches of shards (lists of index lists) are batchified per shard
+    #: (GluonNLP's ShardedDataLoader).
+    _sharded = False
 
     def __init__(self, dataset: Any, batch_size: int | None = None, shuffle: bool = False, sampler: Any = None,
                  last_batch: str | None = None, batch_sampler: Any = None, batchify_fn: Callable | None = None,
@@ -161,13 +308,19 @@ class DataLoader:
         self._pin_memory = bool(pin_memory)
         self._pin_device_id = pin_device_id
         self._copy = bool(copy)
-        self._fetch = make_fetch(batchify_fn)
+        self._try_nopython = try_nopython
+        self._fetch = make_fetch(batchify_fn, sharded=self._sharded)
         self._epoch = 0
         self._engine: _engine.Engine | None = None
+        self._pinner: HostPinner | None = None
         if self._num_workers > 0 and not self._thread_pool:
             self._engine = _engine.Engine(dataset, self._fetch, num_workers=self._num_workers,
                                           prefetch=self._prefetch, shared_mem=shared_mem,
                                           timeout_s=self._timeout, seed=self._seed, copy=self._copy)
+            runtime = cuda_runtime(pin_device_id) if self._pin_memory and not self._copy else None
+            if runtime is not None:
+                self._pinner = HostPinner(runtime[0], runtime[1], self._engine._res)
+                weakref.finalize(self._engine, self._pinner.release)
 
     def __len__(self) -> int:
         """Number of batches per epoch (``len(batch_sampler)``)."""
@@ -190,7 +343,7 @@ class DataLoader:
                                     self._timeout)
         else:
             gen = _engine.InlineRun(self._dataset, self._fetch, tasks, self._seed)
-        return _LoaderIter(gen, len(self), self._engine)
+        return _LoaderIter(gen, len(self), self._engine, self._pinner)
 
     def stats(self) -> dict:
         """Transport counters (ints): ``batches`` delivered; ``slot`` zero-copy through a
@@ -210,6 +363,8 @@ class DataLoader:
 
     def close(self) -> None:
         """Stop the workers and release shared memory not held by live batches.  Idempotent."""
+        if self._pinner is not None:
+            self._pinner.release()
         if self._engine is not None:
             self._engine.close()
 
@@ -223,16 +378,20 @@ class DataLoader:
 class _LoaderIter:
     """One epoch of a :class:`DataLoader`; keeps the engine alive on its own."""
 
-    def __init__(self, gen: Iterator[Any], length: int, engine: Any) -> None:
+    def __init__(self, gen: Iterator[Any], length: int, engine: Any, pinner: HostPinner | None = None) -> None:
         self._gen = gen
         self._len = length
         self._engine = engine
+        self._pinner = pinner
 
     def __iter__(self) -> "_LoaderIter":
         return self
 
     def __next__(self) -> Any:
-        return next(self._gen)
+        batch = next(self._gen)
+        if self._pinner is not None:
+            self._pinner.update()
+        return batch
 
     next = __next__
 

@@ -1,0 +1,631 @@
+"""``mploader.MultiprocessIterator``: Chainer 7.8.1's MultiprocessIterator on the slot ring.
+
+The iteration state -- ``(current_position, epoch, is_new_epoch, order)`` plus
+``previous_epoch_detail`` -- lives in the calling process and advances only when a
+batch is handed to the caller.  To keep batches in flight, a planner runs the same
+state machine ahead of the caller: every planned batch becomes one engine task
+``(epoch, position, indices)`` and the state reached after it is queued beside it.
+When the engine yields the batch, the iterator adopts that queued state.  Anything
+that moves the state by hand (``reset``, ``serialize`` with new values,
+unpickling) throws the plan away and starts a new engine run from the new state,
+exactly as Chainer's prefetch thread restarts from a reset state.
+
+docs/faces.md describes how this face maps onto the engine.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import numbers
+import os
+import threading
+import warnings
+from typing import Any, Callable, Iterator, NamedTuple
+
+import numpy as np
+
+from . import _engine
+
+__all__ = ["MultiprocessIterator", "OrderSampler", "ShuffleOrderSampler"]
+
+#: ``stacklevel`` that attributes the TimeoutWarning to the caller of ``next()`` when the
+#: engine reports the stall (_warn_stalled <- _on_slow <- _receive <- run <- __next__ <- caller).
+_ENGINE_STACKLEVEL = 6
+#: The same for the in-process path (_warn_stalled <- _InlineRun.__next__ <- __next__ <- caller).
+_INLINE_STACKLEVEL = 4
+
+
+class OrderSampler:
+    """Base class of order samplers, as ``chainer.iterators.OrderSampler``.
+
+    An order sampler is called by the iterator when it starts (and at every
+    ``reset()``) and whenever an epoch ends; it returns the order of the next epoch.
+    """
+
+    def __call__(self, current_order: np.ndarray, current_position: int) -> np.ndarray:
+        """Return the next order.
+
+        Parameters
+        ----------
+        current_order : ndarray of shape (N,), integer dtype
+            The order of the epoch that just ended (``arange(len(dataset))`` at
+            start/reset).  The iterator passes a copy; modifying it is harmless.
+        current_position : int
+            Where the iterator stood in that order when the epoch ended.
+
+        Returns
+        -------
+        ndarray of shape (N,)
+            Dataset indices in the order of the next epoch; N must stay constant.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement __call__")
+
+
+class ShuffleOrderSampler(OrderSampler):
+    """Random orders, as ``chainer.iterators.ShuffleOrderSampler``.
+
+    Parameters
+    ----------
+    random_state : numpy.random.RandomState, optional
+        Source of the permutations; default NumPy's global RandomState, so
+        ``numpy.random.seed`` controls the orders exactly as it does in Chainer.
+    """
+
+    def __init__(self, random_state: Any = None) -> None:
+        if random_state is None:
+            random_state = np.random.random.__self__  # the global RandomState
+        self._random = random_state
+
+    def __call__(self, current_order: np.ndarray, current_position: int) -> np.ndarray:
+        return self._random.permutation(len(current_order))
+
+
+class _State(NamedTuple):
+    """Where iteration stands: as Chainer's ``IteratorState``."""
+
+    current_position: int
+    epoch: int
+    is_new_epoch: bool
+    order: np.ndarray | None
+
+
+def _span(order: np.ndarray | None, start: int, stop: int) -> np.ndarray:
+    if order is None:
+        return np.arange(start, stop, dtype=np.intp)
+    return np.array(order[start:stop])
+
+
+def _advance(state: _State, batch_size: int, repeat: bool, order_sampler: Callable | None,
+             dataset_len: int) -> tuple[_State, np.ndarray | None]:
+    """One batch of Chainer's iterator state machine.
+
+    Returns the state after the batch and the batch's dataset indices, or
+    ``(state, None)`` once a non-repeating iterator has finished its epoch.  A
+    batch that reaches the end of the epoch calls ``order_sampler(order, position)``
+    for the next order and, with ``repeat``, is completed from that order; a batch
+    larger than the epoch wraps around as many times as needed.
+
+    Raises
+    ------
+    ValueError
+        A repeating iterator over an empty epoch, or an order sampler that changed
+        the length of the order.
+    """
+    pos, epoch, _, order = state
+    if not repeat and epoch > 0:
+        return state, None
+    n = dataset_len if order is None else len(order)
+    if repeat and n == 0:
+        raise ValueError("the epoch size must be positive for an iterator with repeat=True, got an empty "
+                         + ("dataset" if order is None else "order"))
+    end = pos + batch_size
+    is_new_epoch = False
+    parts = []
+    while end >= n:
+        parts.append(_span(order, pos, n))
+        if order is not None:
+            new_order = np.asarray(order_sampler(order.copy(), pos))
+            if len(new_order) != len(order):
+                raise ValueError(f"order_sampler returned an order of size {len(new_order)}, expected "
+                                 f"{len(order)}: the size of the order must not change between epochs")
+            order = new_order
+        epoch += 1
+        is_new_epoch = True
+        pos = 0
+        if not repeat:
+            end = 0
+            break
+        end -= n
+    parts.append(_span(order, pos, end))
+    return _State(end, epoch, is_new_epoch, order), np.concatenate(parts)
+
+
+def _plan(state: _State, batch_size: int, repeat: bool, order_sampler: Callable | None, dataset_len: int,
+          states: collections.deque, failure: list) -> Iterator[tuple]:
+    """Engine tasks from ``state`` on; queues the state after each task in ``states``.
+
+    A task is ``(epoch, position, indices)`` of the batch's first example, so a
+    batch's worker seed depends only on where it starts.  An exception raised by
+    the state machine (order sampler) ends the plan and is kept in ``failure``; the
+    iterator raises it when the caller reaches that batch, not earlier.
+    """
+    while True:
+        try:
+            new_state, indices = _advance(state, batch_size, repeat, order_sampler, dataset_len)
+        except Exception as exc:  # noqa: BLE001 - re-raised by MultiprocessIterator.__next__
+            failure.append(exc)
+            return
+        if indices is None:
+            return
+        states.append(new_state)
+        yield state.epoch, state.current_position, indices.tolist()
+        state = new_state
+
+
+def _fetch_examples(dataset: Any, indices: list, alloc: Callable) -> list:
+    """A Chainer batch: the list of examples exactly as the dataset returns them."""
+    return [dataset[i] for i in indices]
+
+
+def _warn_stalled(waited_s: float, stacklevel: int) -> None:
+    warnings.warn(
+        f"a batch of the dataset has been loading for {waited_s:.1f} s (dataset_timeout): the dataset may be "
+        "stalled (a dead lock in OpenCV or OpenMP after fork is a common cause; try OMP_NUM_THREADS=1 or "
+        "cv2.setNumThreads(0)); raise dataset_timeout, or pass None to silence this warning",
+        MultiprocessIterator.TimeoutWarning, stacklevel=stacklevel)
+
+
+def _on_slow(seq: int, waited_s: float) -> None:
+    _warn_stalled(waited_s, _ENGINE_STACKLEVEL)
+
+
+class _InlineRun:
+    """``n_processes=0``: load each batch in this process when asked for.
+
+    With a ``dataset_timeout``, a helper thread loads the batch while this one
+    watches the clock (as Chainer does for its first, measuring batch), so the
+    TimeoutWarning is issued from ``next()``.  ``consumed`` tells whether the last
+    call used up a task (a batch returned or the dataset's exception raised; an
+    interruption such as KeyboardInterrupt leaves the batch owed).
+    """
+
+    def __init__(self, dataset: Any, tasks: Iterator[tuple], seed: int, timeout_s: float | None) -> None:
+        self._inline = _engine.InlineRun(dataset, _fetch_examples, tasks, seed)
+        self._timeout_s = timeout_s
+        self.consumed = False
+
+    def __iter__(self) -> "_InlineRun":
+        return self
+
+    def __next__(self) -> list:
+        self.consumed = False
+        if self._timeout_s is None:
+            try:
+                batch = next(self._inline)
+            except StopIteration:
+                raise
+            except Exception:
+                self.consumed = True
+                raise
+            self.consumed = True
+            return batch
+        outcome: dict = {}
+
+        def load() -> None:
+            try:
+                outcome["batch"] = next(self._inline)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=load, name="mploader-chainer-inline", daemon=True)
+        thread.start()
+        thread.join(self._timeout_s)
+        if thread.is_alive():
+            _warn_stalled(self._timeout_s, _INLINE_STACKLEVEL)
+            thread.join()
+        error = outcome.pop("error", None)
+        if error is not None:
+            self.consumed = isinstance(error, Exception) and not isinstance(error, StopIteration)
+            raise error
+        self.consumed = True
+        return outcome.pop("batch")
+
+
+class _Run:
+    """One run: the batches, the states planned for them, a planning failure."""
+
+    __slots__ = ("batches", "states", "failure")
+
+    def __init__(self, batches: Any, states: collections.deque, failure: list) -> None:
+        self.batches = batches
+        self.states = states
+        self.failure = failure
+
+    def consumed(self, exc: BaseException) -> bool:
+        """Whether ``exc``, raised by ``next(batches)``, used up the batch's task.
+
+        The engine and the in-process loader consume a batch whose dataset raised
+        (the next call goes on with the following batch); a dead worker, a
+        timeout, closing or an interruption while waiting leave the batch owed.
+        """
+        if isinstance(self.batches, _InlineRun):
+            return self.batches.consumed
+        return hasattr(exc, "mploader_indices")
+
+
+def _check_int(name: str, value: Any, minimum: int, none_ok: bool = False) -> int | None:
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        bound = {0: "a non-negative integer", 1: "a positive integer"}[minimum]
+        raise ValueError(f"{name} must be {bound}{' or None' if none_ok else ''}, got {value!r}")
+    return int(value)
+
+
+class MultiprocessIterator:
+    """Dataset iterator that loads examples in forked workers, as Chainer 7.8.1's.
+
+    Each batch is built by one worker: it reads ``dataset[i]`` for the batch's
+    indices and writes the examples into a slot of the shared-memory ring; the
+    returned batch is a ``list`` of the examples exactly as the dataset returned them
+    (tuples, dicts, arrays, numbers, any picklable object).  Every ndarray inside is
+    a zero-copy view of the slot (examples may differ in shape); the slot is reused
+    only after every such view has been garbage-collected, so a returned batch never
+    changes later.
+
+    Iteration follows Chainer: ``repeat=False`` ends with a partial batch and then
+    raises ``StopIteration`` on every call; with ``repeat=True`` a batch that crosses
+    the end of an epoch is completed from the next epoch's order.  ``epoch``,
+    ``is_new_epoch``, ``epoch_detail``, ``previous_epoch_detail`` and
+    ``current_position`` describe the last batch returned, never the prefetched ones.
+
+    Parameters
+    ----------
+    dataset : Dataset
+        Anything with ``__getitem__`` and ``__len__``.  Workers inherit it at fork
+        time: it is never pickled.
+    batch_size : int
+        Examples per batch.
+    repeat : bool
+        Loop over the dataset forever (True) or stop after one epoch.
+    shuffle : bool or None
+        True: a new random order every epoch (``ShuffleOrderSampler``); False: index
+        order.  None (default): shuffle unless an ``order_sampler`` is given.
+    n_processes : int or None
+        Worker processes; None uses ``os.cpu_count()``.  0 loads in the calling
+        process (an mploader extension: Chainer treats 0 like None).
+    n_prefetch : int
+        Batches requested ahead of the caller (at least 1).  Because each worker
+        builds whole batches, ``max(n_prefetch, n_processes)`` batches are in
+        flight so that every worker is busy.
+    shared_mem : int or None
+        Bytes of shared memory per example; a slot holds ``batch_size`` of them
+        plus room for the batch's layout.  None sizes slots from the first batch.
+        A batch that does not fit grows its slot (Chainer warned and pickled).
+    order_sampler : callable or None
+        ``order_sampler(order, current_position) -> next order``, called at start,
+        at ``reset()`` and at the end of every epoch (ahead of time, while planning
+        prefetched batches).  The length of the order must stay constant.  Only with
+        ``shuffle=None``.  It runs in the calling process, so it need not be
+        picklable (lambdas work).
+    dataset_timeout : float or None
+        Seconds a batch may be awaited before ``MultiprocessIterator.TimeoutWarning``
+        is issued from inside ``next()`` (once per batch); None disables the warning.
+        Turn it into an error with ``warnings.simplefilter('error',
+        MultiprocessIterator.TimeoutWarning)``.
+    maxtasksperchild : int or None
+        Replace a worker after it has built this many batches (Chainer counted
+        examples).  The replacement is forked when the retiring worker receives its
+        last batch, so the iterator never waits for it.
+    seed : int, optional (keyword only; mploader extension)
+        Before each batch the worker seeds ``random``, NumPy's global RNG and
+        torch's (if imported) from (seed, epoch, position of the batch's first
+        example), so random augmentation is reproducible and independent of
+        ``n_processes``.  None draws a seed from the OS; the global NumPy state that
+        ``ShuffleOrderSampler`` uses is not touched.
+
+    Raises
+    ------
+    ValueError
+        An argument is out of range, or ``shuffle`` and ``order_sampler`` are both
+        given (the message names them).
+    TypeError
+        ``dataset`` lacks ``__getitem__``/``__len__``.
+
+    Notes
+    -----
+    ``finalize()`` (or leaving a ``with`` block) stops the workers; it is
+    idempotent, returns promptly and may be called from another thread, in which
+    case a ``next()`` waiting there raises ``RuntimeError``.  The shared memory is
+    released once the last batch view is gone.  If the iterator is dropped without
+    ``finalize()``, the same happens when it is garbage-collected.
+    """
+
+    class TimeoutWarning(RuntimeWarning):
+        """A batch waited longer than ``dataset_timeout`` seconds."""
+
+    def __init__(self, dataset: Any, batch_size: int, repeat: bool = True, shuffle: bool | None = None,
+                 n_processes: int | None = None, n_prefetch: int = 1, shared_mem: int | None = None,
+                 order_sampler: Callable | None = None, dataset_timeout: float | None = 30.0,
+                 maxtasksperchild: int | None = None, *, seed: int | None = None) -> None:
+        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+            raise TypeError(f"dataset must support __getitem__ and __len__, got {type(dataset).__name__}")
+        batch_size = _check_int("batch_size", batch_size, 1)
+        if n_processes is None:
+            n_processes = os.cpu_count() or 1
+        n_processes = _check_int("n_processes", n_processes, 0)
+        if isinstance(n_prefetch, bool) or not isinstance(n_prefetch, numbers.Integral):
+            raise ValueError(f"n_prefetch must be an integer, got {n_prefetch!r}")
+        shared_mem = _check_int("shared_mem", shared_mem, 0, none_ok=True)
+        if dataset_timeout is not None and (isinstance(dataset_timeout, bool)
+                                            or not isinstance(dataset_timeout, numbers.Real)
+                                            or dataset_timeout < 0):
+            raise ValueError(f"dataset_timeout must be a non-negative number of seconds or None, "
+                             f"got {dataset_timeout!r}")
+        maxtasksperchild = _check_int("maxtasksperchild", maxtasksperchild, 1, none_ok=True)
+        if shuffle is not None:
+            if order_sampler is not None:
+                raise ValueError(f"shuffle must be None when an order_sampler is given, got shuffle={shuffle!r} "
+                                 f"and order_sampler={order_sampler!r}; pass shuffle=None to use the order sampler")
+            if shuffle:
+                order_sampler = ShuffleOrderSampler()
+        elif order_sampler is None:
+            order_sampler = ShuffleOrderSampler()
+        if order_sampler is not None and not callable(order_sampler):
+            raise ValueError(f"order_sampler must be callable, got {order_sampler!r}")
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little") >> 1
+        elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
+        self._configure(dataset=dataset, batch_size=batch_size, repeat=bool(repeat), shuffle=shuffle,
+                        n_processes=n_processes, n_prefetch=max(int(n_prefetch), 1), shared_mem=shared_mem,
+                        order_sampler=order_sampler, dataset_timeout=dataset_timeout,
+                        maxtasksperchild=maxtasksperchild, seed=int(seed))
+        self.reset()
+
+    def _configure(self, *, dataset: Any, batch_size: int, repeat: bool, shuffle: bool | None,
+                   n_processes: int, n_prefetch: int, shared_mem: int | None, order_sampler: Callable | None,
+                   dataset_timeout: float | None, maxtasksperchild: int | None, seed: int) -> None:
+        """Set the construction parameters (validated) and the machinery, not the state."""
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.repeat = repeat
+        self.shuffle = shuffle
+        self.n_processes = n_processes
+        self.n_prefetch = n_prefetch
+        self.shared_mem = shared_mem
+        self.order_sampler = order_sampler
+        self.dataset_timeout = dataset_timeout
+        self.maxtasksperchild = maxtasksperchild
+        self._seed = seed
+        self._lock = threading.Lock()
+        self._engine: _engine.Engine | None = None
+        self._run: _Run | None = None
+        self._finalized = False
+        self._state = _State(0, 0, False, None)
+        self._previous_epoch_detail = -1.0
+
+    def _init_args(self) -> dict:
+        return dict(dataset=self.dataset, batch_size=self.batch_size, repeat=self.repeat, shuffle=self.shuffle,
+                    n_processes=self.n_processes, n_prefetch=self.n_prefetch, shared_mem=self.shared_mem,
+                    order_sampler=self.order_sampler, dataset_timeout=self.dataset_timeout,
+                    maxtasksperchild=self.maxtasksperchild, seed=self._seed)
+
+    # ---- state ----
+
+    @property
+    def current_position(self) -> int:
+        """int: position in the current epoch's order after the last batch returned."""
+        return self._state.current_position
+
+    @property
+    def epoch(self) -> int:
+        """int: number of completed epochs."""
+        return self._state.epoch
+
+    @property
+    def is_new_epoch(self) -> bool:
+        """bool: whether the last batch returned reached the end of an epoch."""
+        return self._state.is_new_epoch
+
+    @property
+    def _epoch_size(self) -> int:
+        order = self._state.order
+        return len(self.dataset) if order is None else len(order)
+
+    @property
+    def epoch_detail(self) -> float:
+        """float: ``epoch + current_position / epoch_size``."""
+        return self.epoch + self.current_position / self._epoch_size
+
+    @property
+    def previous_epoch_detail(self) -> float | None:
+        """float or None: ``epoch_detail`` before the last ``next()``; None before the first."""
+        if self._previous_epoch_detail < 0:
+            return None
+        return self._previous_epoch_detail
+
+    def _set_state(self, state: _State) -> None:
+        """Move to ``state``; batches planned from the old state are discarded."""
+        if self._finalized:
+            raise NotImplementedError("Reset of finalized MultiProcessIterator is currently not supported.")
+        self._drop_run()
+        self._state = state
+
+    def _drop_run(self) -> None:
+        # The engine discards the old run's batches in flight when the next run starts.
+        self._run = None
+
+    def reset(self) -> None:
+        """Go back to the start: epoch 0, position 0, a new order from the order sampler.
+
+        Raises
+        ------
+        NotImplementedError
+            The iterator was finalized (as Chainer).
+        """
+        if self._finalized:
+            raise NotImplementedError("Reset of finalized MultiProcessIterator is currently not supported.")
+        order = None
+        if self.order_sampler is not None:
+            order = np.asarray(self.order_sampler(np.arange(len(self.dataset)), 0))
+        self._set_state(_State(0, 0, False, order))
+        self._previous_epoch_detail = -1.0
+
+    # ---- iteration ----
+
+    def _start_run(self) -> _Run:
+        states: collections.deque = collections.deque()
+        failure: list = []
+        tasks = _plan(self._state, self.batch_size, self.repeat, self.order_sampler, len(self.dataset),
+                      states, failure)
+        if self.n_processes == 0:
+            batches: Any = _InlineRun(self.dataset, tasks, self._seed, self.dataset_timeout)
+        else:
+            with self._lock:
+                if self._finalized:
+                    raise RuntimeError("this MultiprocessIterator was finalized")
+                if self._engine is None:
+                    slot_bytes = None
+                    if self.shared_mem is not None:
+                        # per-example bytes, plus alignment and the pickled layout of the list
+                        slot_bytes = self.batch_size * (self.shared_mem + 128) + 4096
+                    self._engine = _engine.Engine(
+                        self.dataset, _fetch_examples, num_workers=self.n_processes,
+                        prefetch=max(self.n_prefetch, self.n_processes), shared_mem=slot_bytes, timeout_s=None,
+                        seed=self._seed, maxtasksperchild=self.maxtasksperchild, on_slow=_on_slow,
+                        slow_after_s=self.dataset_timeout)
+                engine = self._engine
+            batches = engine.run(tasks)
+        self._run = _Run(batches, states, failure)
+        return self._run
+
+    def __next__(self) -> list:
+        """Return the next batch (a list of ``batch_size`` examples, fewer at the end
+        of a non-repeating epoch).
+
+        Raises
+        ------
+        StopIteration
+            After the last batch of a non-repeating iterator, on every call.
+        ValueError
+            The order sampler changed the size of the order (raised when the batch
+            that needed the new order is due; the state does not move).
+        RuntimeError
+            The iterator was finalized (possibly by another thread while waiting).
+        mploader.WorkerError
+            A worker died; the next call restarts the workers and retries the batch.
+        Exception
+            Whatever ``dataset[i]`` raised in the worker, with the indices attached.
+        """
+        if self._finalized:
+            raise RuntimeError("this MultiprocessIterator was finalized")
+        run = self._run if self._run is not None else self._start_run()
+        try:
+            batch = next(run.batches)
+        except StopIteration:
+            if run.failure:
+                self._drop_run()
+                raise run.failure[0] from None
+            self._previous_epoch_detail = self.epoch_detail
+            raise
+        except BaseException as exc:
+            if self._run is run:
+                if run.consumed(exc):
+                    self._adopt(run.states.popleft())
+                else:
+                    self._drop_run()
+            raise
+        self._adopt(run.states.popleft())
+        return batch
+
+    def _adopt(self, state: _State) -> None:
+        self._previous_epoch_detail = self.epoch_detail
+        self._state = state
+
+    next = __next__
+
+    def __iter__(self) -> "MultiprocessIterator":
+        return self
+
+    # ---- lifecycle ----
+
+    def finalize(self) -> None:
+        """Stop the workers.  Idempotent; safe to call from another thread, where a
+        waiting ``next()`` then raises ``RuntimeError``.  Batches already returned
+        stay valid."""
+        with self._lock:
+            if self._finalized:
+                return
+            self._finalized = True
+            engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.close()
+        self._run = None
+
+    def __enter__(self) -> "MultiprocessIterator":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.finalize()
+
+    def __copy__(self) -> "MultiprocessIterator":
+        """A new iterator over the same dataset, standing where this one stands
+        (it starts its own workers).  The order sampler is shared, not called."""
+        other = type(self).__new__(type(self))
+        other._configure(**self._init_args())
+        pos, epoch, is_new_epoch, order = self._state
+        other._state = _State(pos, epoch, is_new_epoch, None if order is None else order.copy())
+        other._previous_epoch_detail = self._previous_epoch_detail
+        return other
+
+    # ---- checkpoints ----
+
+    def serialize(self, serializer: Callable) -> None:
+        """Save or restore the iteration state with Chainer's serializer protocol.
+
+        ``serializer(key, value)`` returns the value to adopt: a serializer stores
+        ``value`` and returns it, a deserializer returns the stored value (or copies a
+        stored array into ``value`` in place and returns it).  Keys:
+        ``current_position``, ``epoch``, ``is_new_epoch``, ``order`` (only when the
+        iterator has an order; ``_order`` is read from old snapshots that lack it)
+        and ``previous_epoch_detail`` (``-1`` stands for None; guessed from the other
+        values, as Chainer does, for snapshots that lack it).  Restoring a different
+        state discards the prefetched batches; saving keeps them.
+        """
+        current_position = serializer("current_position", self.current_position)
+        epoch = serializer("epoch", self.epoch)
+        is_new_epoch = serializer("is_new_epoch", self.is_new_epoch)
+        order = self._state.order
+        if order is not None:
+            buffer = order.copy()
+            try:
+                got = serializer("order", buffer)
+            except KeyError:
+                got = serializer("_order", buffer)
+            order = buffer if got is None else np.asarray(got)
+        state = _State(int(current_position), int(epoch), bool(is_new_epoch), order)
+        old = self._state
+        if (state[:3] != old[:3] or (order is not old.order
+                                     and (order is None or old.order is None or not np.array_equal(order, old.order)))):
+            self._set_state(state)
+        try:
+            self._previous_epoch_detail = float(serializer("previous_epoch_detail", self._previous_epoch_detail))
+        except KeyError:
+            guess = self.epoch + (self.current_position - self.batch_size) / self._epoch_size
+            self._previous_epoch_detail = max(guess, 0.0) if self.epoch_detail > 0 else -1.0
+
+    def __getstate__(self) -> dict:
+        """The construction parameters and the iteration state; not the workers."""
+        pos, epoch, is_new_epoch, order = self._state
+        return {"version": 1, "init": self._init_args(), "current_position": pos, "epoch": epoch,
+                "is_new_epoch": is_new_epoch, "order": order,
+                "previous_epoch_detail": self._previous_epoch_detail}
+
+    def __setstate__(self, state: dict) -> None:
+        if state.get("version") != 1:
+            raise ValueError(f"cannot unpickle a MultiprocessIterator state of version {state.get('version')!r}, "
+                             "expected 1")
+        self._configure(**state["init"])
+        self._state = _State(state["current_position"], state["epoch"], state["is_new_epoch"], state["order"])
+        self._previous_epoch_detail = state["previous_epoch_detail"]
