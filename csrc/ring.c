@@ -28,6 +28,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -100,6 +101,10 @@ static int populate(uint8_t *p, uint64_t n) {
  * its offset, or 0 (never a valid payload offset) with *err set. */
 static uint64_t carve(mpl_region *r, uint64_t n, int *err) {
     mpl_ctl *c = ctl_of(r);
+    if (n > r->reserve_bytes) { /* also keeps round_up below from wrapping */
+        *err = MPL_ENOSPACE;
+        return 0;
+    }
     n = round_up(n ? n : MPL_PAGE, MPL_PAGE);
     /* Relaxed CAS loop: the counter only has to hand out disjoint ranges, and only
      * ranges that fit the reservation (a refused request must not use it up); the
@@ -128,7 +133,8 @@ static uint64_t carve(mpl_region *r, uint64_t n, int *err) {
 int mpl_region_create(mpl_region *r, uint32_t nslots, uint64_t slot_bytes, uint64_t reserve_bytes) {
     memset(r, 0, sizeof *r);
     r->fd = -1;
-    if (nslots == 0 || nslots > MPL_MAX_SLOTS) {
+    /* Bound slot_bytes so that nslots * round_up(slot_bytes) * 4 cannot wrap. */
+    if (nslots == 0 || nslots > MPL_MAX_SLOTS || slot_bytes > (UINT64_MAX / 8) / MPL_MAX_SLOTS) {
         errno = EINVAL;
         return MPL_EINVAL;
     }
@@ -199,12 +205,31 @@ void mpl_region_unmap(mpl_region *r) {
 }
 
 int mpl_region_populate(mpl_region *r) {
-    /* Relaxed: a sizing read; pages carved after this load are populated by
-     * whoever carves or faults them. */
-    uint64_t end = atomic_load_explicit(&ctl_of(r)->file_end, memory_order_relaxed);
-    if (end > r->reserve_bytes)
-        end = r->reserve_bytes;
-    return populate(r->base, end);
+    /* Walk the file's allocated ranges (SEEK_DATA/SEEK_HOLE) rather than [0,
+     * file_end): ranges released by mpl_slot_grow are holes and must stay holes, and
+     * file_end may already count a range another process has carved but not yet
+     * fallocated (touching it would fault beyond the end of the file). */
+    struct stat st;
+    if (fstat(r->fd, &st) != 0)
+        return MPL_ESYS;
+    off_t size = st.st_size;
+    if ((uint64_t)size > r->reserve_bytes)
+        size = (off_t)r->reserve_bytes;
+    off_t pos = 0;
+    while (pos < size) {
+        off_t data = lseek(r->fd, pos, SEEK_DATA);
+        if (data < 0)
+            return errno == ENXIO ? MPL_OK : MPL_ESYS;
+        off_t hole = lseek(r->fd, data, SEEK_HOLE);
+        if (hole < 0)
+            return MPL_ESYS;
+        if (hole > size)
+            hole = size;
+        if (data < hole && populate(r->base + data, (uint64_t)(hole - data)) != MPL_OK)
+            return MPL_ESYS;
+        pos = hole;
+    }
+    return MPL_OK;
 }
 
 uint64_t mpl_region_file_bytes(const mpl_region *r) {
@@ -371,9 +396,15 @@ int mpl_slot_begin(mpl_region *r, uint32_t slot, uint64_t seq) {
 int mpl_slot_grow(mpl_region *r, uint32_t slot, uint64_t need, uint64_t preserve) {
     if (slot >= r->nslots)
         return MPL_EINVAL;
-    mpl_slot_meta *m = &hdr_of(r, slot)->meta;
+    mpl_slot_hdr *h = hdr_of(r, slot);
+    /* Acquire: the caller must hold the slot ASSIGNED (pairs with E1's release). */
+    if (atomic_load_explicit(&h->state, memory_order_acquire) != MPL_ASSIGNED)
+        return MPL_ESTATE;
+    mpl_slot_meta *m = &h->meta;
     if (preserve > m->capacity)
         preserve = m->capacity;
+    if (preserve > need)
+        preserve = need;
     int err = MPL_OK;
     uint64_t off = carve(r, need, &err);
     if (off == 0)
@@ -397,6 +428,13 @@ int mpl_slot_publish(mpl_region *r, uint32_t slot, uint32_t kind, uint32_t flags
     if (slot >= r->nslots)
         return MPL_EINVAL;
     mpl_slot_hdr *h = hdr_of(r, slot);
+    /* Only the worker holding the slot ASSIGNED may write its header: check before
+     * writing (acquire pairs with E1's release).  Nobody else can move the slot out
+     * of ASSIGNED meanwhile except E5, which happens only after we are dead. */
+    if (atomic_load_explicit(&h->state, memory_order_acquire) != MPL_ASSIGNED)
+        return MPL_ESTATE;
+    if (used > h->meta.capacity || desc_off > used || desc_len > used - desc_off)
+        return MPL_EINVAL;
     h->meta.kind = kind;
     h->meta.flags = flags;
     h->meta.used = used;

@@ -79,7 +79,8 @@ typedef struct mpl_region {
 
 /* Create a region of `nslots` slots with `slot_bytes` of payload each (0 allowed:
  * slots are then sized on first use by mpl_slot_grow), inside a mapping of
- * `reserve_bytes` of address space (0 picks a default).  All pages are faulted in.
+ * `reserve_bytes` of address space (0 picks 16 GiB; raised to at least 4x the
+ * initial size).  All pages are faulted in.
  * On success returns 0 and fills *r; on failure returns MPL_ESYS or MPL_EINVAL
  * with errno set and leaves nothing behind. */
 int mpl_region_create(mpl_region *r, uint32_t nslots, uint64_t slot_bytes,
@@ -92,7 +93,8 @@ void mpl_region_close_fd(mpl_region *r);
 void mpl_region_unmap(mpl_region *r);
 
 /* Fault in every allocated page of the region in this process (for workers after
- * fork, whose page tables start empty).  Returns 0 or MPL_ESYS. */
+ * fork, whose page tables start empty); holes left by mpl_slot_grow stay holes.
+ * Returns 0 or MPL_ESYS. */
 int mpl_region_populate(mpl_region *r);
 
 /* Bytes of the memfd in use (its size), for stats. */
@@ -119,8 +121,9 @@ int mpl_slot_wait(mpl_region *r, uint32_t slot, int64_t timeout_ns);
 /* Edge E4, LEASED -> FREE.  Returns 0 or MPL_ESTATE. */
 int mpl_slot_release(mpl_region *r, uint32_t slot);
 
-/* Edge E5, ASSIGNED -> FREE, for a batch the parent abandons after its worker
- * died.  Returns 0 or MPL_ESTATE. */
+/* Edge E5, ASSIGNED or READY -> FREE, for a batch the parent abandons after its
+ * worker died (READY: it published, then died, and nobody will read it).
+ * Returns 0 or MPL_ESTATE. */
 int mpl_slot_reclaim(mpl_region *r, uint32_t slot);
 
 /* Current state word (acquire load), for diagnostics and tests. */
@@ -140,13 +143,18 @@ uint8_t *mpl_slot_payload(mpl_region *r, uint32_t slot);
 int mpl_slot_begin(mpl_region *r, uint32_t slot, uint64_t seq);
 
 /* Give an ASSIGNED slot a new payload range of at least `need` bytes, copying the
- * first `preserve` bytes of the old payload into it and releasing the old
- * range's memory.  Returns 0, MPL_ENOSPACE (reservation exhausted; the slot is
- * unchanged) or MPL_ESYS. */
+ * first min(preserve, need, old capacity) bytes of the old payload into it and
+ * releasing the old range's memory.  Address space is never reused: a region
+ * grown many times can exhaust its reservation although little memory is in use.
+ * grow_count counts every grow of this slot since creation.  Returns 0,
+ * MPL_ENOSPACE (reservation exhausted; the slot is unchanged), MPL_ESTATE (the
+ * slot is not ASSIGNED) or MPL_ESYS. */
 int mpl_slot_grow(mpl_region *r, uint32_t slot, uint64_t need, uint64_t preserve);
 
 /* Edge E2, ASSIGNED -> READY: publish the header fields and payload written so
- * far, and wake the parent.  Returns 0 or MPL_ESTATE. */
+ * far, and wake the parent.  Returns 0, MPL_ESTATE (not ASSIGNED; the header is
+ * left untouched) or MPL_EINVAL (used > capacity, or the descriptor outside
+ * [0, used)). */
 int mpl_slot_publish(mpl_region *r, uint32_t slot, uint32_t kind, uint32_t flags,
                      uint64_t used, uint64_t desc_off, uint64_t desc_len);
 
