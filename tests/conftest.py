@@ -91,12 +91,20 @@ class Snapshot:
         return problems
 
 
-def settle_shm(before: Snapshot, after: Snapshot) -> None:
-    """Give /dev/shm entries made by other processes ``SHM_SETTLE_S`` to disappear."""
+def lasting_new_shm(before: set[str]) -> set[str]:
+    """Entries of /dev/shm not in ``before`` that are still there after ``SHM_SETTLE_S``
+    (other processes' transient entries, e.g. multiprocessing's ``sem.*``, vanish)."""
     deadline = time.monotonic() + SHM_SETTLE_S
-    while after.shm - before.shm and time.monotonic() < deadline:
+    new = shm_entries() - before
+    while new and time.monotonic() < deadline:
         time.sleep(0.02)  # polling a condition with a deadline, not synchronising
-        after.shm = shm_entries()
+        new &= shm_entries()
+    return new
+
+
+def settle_shm(before: Snapshot, after: Snapshot) -> None:
+    """Drop from ``after`` the new /dev/shm entries that do not last."""
+    after.shm = before.shm | lasting_new_shm(before.shm)
 
 
 def assert_no_leaks(before: Snapshot) -> None:

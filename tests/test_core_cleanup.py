@@ -16,7 +16,7 @@ import pytest
 
 import mploader
 
-from conftest import child_pids, memfd_mappings, open_fds, shm_entries
+from conftest import child_pids, lasting_new_shm, memfd_mappings, open_fds, shm_entries
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -40,9 +40,22 @@ def check_epoch(loader):
 
 
 def counts():
+    """Open fds, child processes and memfd mappings after a full collection, plus the
+    /dev/shm listing (under "shm_names")."""
     gc.collect()
     return {"fds": len(open_fds()), "children": len(child_pids()), "memfd_maps": len(memfd_mappings()),
-            "shm": len(shm_entries())}
+            "shm_names": shm_entries()}
+
+
+def assert_back_to(start, what="now"):
+    """Counts equal to ``start``; no new /dev/shm entry that lasts (other processes'
+    transient ones are given conftest.SHM_SETTLE_S to vanish)."""
+    now = counts()
+    new_shm = lasting_new_shm(start["shm_names"])
+    assert not new_shm, f"/dev/shm entries left behind: {sorted(new_shm)}"
+    now.pop("shm_names")
+    want = {k: v for k, v in start.items() if k != "shm_names"}
+    assert now == want, f"{what}: {now}, at the start: {want}"
 
 
 def test_200_loaders_created_iterated_closed():
@@ -57,8 +70,7 @@ def test_200_loaders_created_iterated_closed():
         loader.close()
         assert loader.worker_pids() == []
     del loader
-    end = counts()
-    assert end == start, f"after 200 loaders: {end}, at the start: {start}"
+    assert_back_to(start, "after 200 loaders")
     assert len(pids_seen) == 400
     assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                    for p in pids_seen)
@@ -70,7 +82,7 @@ def test_loaders_dropped_without_close_are_cleaned_up():
         loader = mploader.DataLoader(Small(), batch_size=4, num_workers=2, seed=0)
         check_epoch(loader)
         del loader  # no close(): the weakref.finalize backstop must release everything
-    assert counts() == start
+    assert_back_to(start)
 
 
 def test_loader_dropped_mid_epoch_with_batches_held():
@@ -89,7 +101,7 @@ def test_loader_dropped_mid_epoch_with_batches_held():
     del it
     np.testing.assert_array_equal(first[1], [0, 1, 2, 3])
     del first, second
-    assert counts() == start
+    assert_back_to(start)
 
 
 def test_close_is_idempotent_and_final():
@@ -188,4 +200,4 @@ def test_two_loaders_alive_at_once():
     check_epoch(b)
     b.close()
     del ia, ib
-    assert counts() == start
+    assert_back_to(start)
