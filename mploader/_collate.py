@@ -39,16 +39,23 @@ def collate(samples: Sequence[Any], alloc: Alloc = _heap_alloc) -> Any:
     first = samples[0]
     if isinstance(first, np.ndarray):
         dtype, shape = first.dtype, first.shape
-        if (dtype.hasobject or {type(s) for s in samples} != _NDARRAY_ONLY
+        if (dtype.hasobject or set(map(type, samples)) != _NDARRAY_ONLY
                 or {s.shape for s in samples} != {shape} or {s.dtype for s in samples} != {dtype}):
             return list(samples)
         out = alloc((len(samples),) + shape, dtype)
-        for i, s in enumerate(samples):
-            out[i] = s
+        if out.size == 0:
+            pass
+        elif shape:
+            # One C call: sample i lands at out[i] (equal shapes checked above).
+            rows = (len(samples) * shape[0],) + shape[1:]
+            np.concatenate(samples, axis=0, out=out.reshape(rows), casting="no")
+        else:
+            for i, s in enumerate(samples):
+                out[i] = s
         return out
     if isinstance(first, _NUMBER_TYPES):
         if not all(issubclass(t, _NUMBER_TYPES) and not issubclass(t, np.ndarray)
-                   for t in {type(s) for s in samples}):
+                   for t in set(map(type, samples))):
             return list(samples)
         try:
             arr = np.asarray(samples)
@@ -67,7 +74,7 @@ def collate(samples: Sequence[Any], alloc: Alloc = _heap_alloc) -> Any:
     if isinstance(first, (tuple, list)):
         n = len(first)
         kind = type(first)
-        if n == 0 or {type(s) for s in samples} != {kind} or {len(s) for s in samples} != {n}:
+        if n == 0 or set(map(type, samples)) != {kind} or set(map(len, samples)) != {n}:
             return list(samples)
         columns = [collate(list(col), alloc) for col in zip(*samples)]
         if isinstance(first, tuple) and hasattr(first, "_fields"):

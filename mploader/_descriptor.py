@@ -24,6 +24,7 @@ ALIGN = 64
 _HEADROOM = 1.25
 _PLAIN = frozenset((tuple, list, dict, int, float, bool, complex, str, bytes, type(None)))
 _EMPTY = np.empty(0, np.uint8)
+_CONTAINERS = frozenset((np.ndarray, list, tuple, dict))
 
 
 def _align(n: int) -> int:
@@ -38,13 +39,14 @@ class SlotWriter:
     not fit (copying the heap arrays in once), and publishes the slot.
     """
 
-    __slots__ = ("region", "slot", "flags", "used", "base", "capacity", "buf")
+    __slots__ = ("region", "slot", "flags", "used", "base", "capacity", "buf", "handed")
 
     def __init__(self, region: _ring.Region, slot: int, seq: int) -> None:
         self.region = region
         self.slot = slot
         self.flags = 0
         self.used = 0
+        self.handed: dict[int, tuple] = {}  # id(array from alloc) -> (array, offset)
         capacity = region.begin(slot, seq)
         hint = region.size_hint
         if capacity < hint and region.grow(slot, hint, 0):
@@ -68,7 +70,9 @@ class SlotWriter:
         if dtype.itemsize == 0 or off + nbytes > self.capacity:
             return np.empty(shape, dtype)
         self.used = off + nbytes
-        return self.buf[off:off + nbytes].view(dtype).reshape(shape)
+        out = self.buf[off:off + nbytes].view(dtype).reshape(shape)
+        self.handed[id(out)] = (out, off)
+        return out
 
     def finish(self, obj: Any, kind: int = _ring.KIND_SLOT) -> bytes | None:
         """Publish ``obj`` in the slot.
@@ -107,6 +111,7 @@ class _SlotPickler(pickle.Pickler):
         super().__init__(file, protocol=5)
         self.lo = writer.base
         self.hi = writer.base + writer.capacity
+        self.handed = writer.handed
         self.end = writer.used
         self.pending: list[tuple[int, np.ndarray]] = []
         self.seen: dict[int, tuple] = {}
@@ -115,12 +120,20 @@ class _SlotPickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         t = type(obj)
         if t in _PLAIN:
+            if t is list and obj and type(obj[0]) not in _CONTAINERS:
+                # A list of leaves (what a batchify passes through when it cannot
+                # stack them: ragged sequences, strings, numbers of mixed types)
+                # travels pickled: count the batch as a fallback.
+                self.flags |= _ring.FLAG_INBAND
             return None
         if t is np.ndarray:
             dtype = obj.dtype
             if dtype.hasobject or dtype.itemsize == 0:
                 self.flags |= _ring.FLAG_INBAND
                 return None
+            hit = self.handed.get(id(obj))
+            if hit is not None and hit[0] is obj:  # exactly an array alloc handed out
+                return ("a", hit[1], _dtype_key(dtype), obj.shape, None)
             addr = obj.ctypes.data
             if self.lo <= addr < self.hi or (obj.size == 0 and self.lo <= addr <= self.hi):
                 lo, hi = np.lib.array_utils.byte_bounds(obj) if _HAS_ARRAY_UTILS else np.byte_bounds(obj)
