@@ -177,14 +177,19 @@ class _Resources:
             self.region.close()
             self.region = None
 
-    def drop_in_child(self) -> None:
-        """In a worker forked for another loader: let go of this loader's resources."""
+    def close_parent_ends(self) -> None:
+        """In a forked child: close the inherited parent ends of the workers' pipes
+        and their pidfds (this process must not hold them)."""
         for w in self.workers:
             try:
                 w.conn.close()
                 os.close(w.pidfd)
             except OSError:
                 pass
+
+    def drop_in_child(self) -> None:
+        """In a worker forked for another loader: let go of this loader's resources."""
+        self.close_parent_ends()
         self.workers = []
         if self.region is not None:
             self.region.forget()
@@ -325,7 +330,7 @@ class Engine:
         def drop() -> None:
             parent_conn.close()
             for other in list(_LIVE):
-                other.drop_in_child() if other is not res else _drop_siblings(res)
+                other.drop_in_child() if other is not res else res.close_parent_ends()
 
         ctx = WorkerContext(worker_id=wid, region=res.region, conn=child_conn, dataset=self.dataset,
                             fetch=self.fetch, seed=self.seed, parent_pid=parent_pid, drop=drop)
@@ -617,16 +622,6 @@ class Run:
             t.stale = True
             self._engine._stale.append(t)
         self._inflight.clear()
-
-
-def _drop_siblings(res: _Resources) -> None:
-    """In a child of ``res``: close the parent's ends of the sibling workers' pipes."""
-    for w in res.workers:
-        try:
-            w.conn.close()
-            os.close(w.pidfd)
-        except OSError:
-            pass
 
 
 class InlineRun:
