@@ -1,0 +1,424 @@
+"""mploader.DataLoader against MXNet Gluon 1.8 DataLoader semantics.
+
+last_batch counts, samplers and batch samplers, batchify functions (checked against
+the same function run in-process), thread_pool, timeout, pin_memory (a documented
+no-op without CUDA; the cudaHostRegister bookkeeping checked with a fake CUDA
+runtime), try_nopython, iterator lifetime and leaks.  num_workers 0, 1 and 2.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import gc
+import os
+import select
+import warnings
+
+import numpy as np
+import pytest
+
+import mploader
+from mploader import batchify as bf
+from mploader import dataloader as dl_module
+from mploader._ring import SlotLease
+
+pytestmark = pytest.mark.timeout(60)
+
+WORKERS = [0, 1, 2]
+N, B = 10_000, 31
+
+
+@pytest.fixture(params=WORKERS, ids=lambda n: f"workers{n}")
+def workers(request):
+    return request.param
+
+
+def flat(batches):
+    """All sample values of an epoch, in order (each batch is dropped before the next
+    arrives, so no slot is held for long)."""
+    out = []
+    for b in batches:
+        out.extend(np.asarray(b).tolist())
+    return out
+
+
+def owned(obj):
+    """A deep copy of a batch that holds no slot."""
+    if isinstance(obj, np.ndarray):
+        return obj.copy()
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(owned(x) for x in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(owned(x) for x in obj)
+    if isinstance(obj, dict):
+        return {k: owned(v) for k, v in obj.items()}
+    return obj
+
+
+def collect(loader, check=None):
+    """The epoch's batches as owned copies; ``check(batch)`` sees each original."""
+    out = []
+    for b in loader:
+        if check is not None:
+            check(b)
+        out.append(owned(b))
+        del b
+    return out
+
+
+def lease_of(arr):
+    base = arr
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base
+
+
+def arrays_in(obj):
+    if isinstance(obj, np.ndarray):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for x in obj:
+            yield from arrays_in(x)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            yield from arrays_in(x)
+
+
+def assert_same(a, b):
+    """Batch ``a`` (from a loader) equals ``b`` (in-process reference): types, dtypes, shapes, values."""
+    if isinstance(b, np.ndarray):
+        assert isinstance(a, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    elif isinstance(b, (tuple, list)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(b, dict):
+        assert type(a) is dict and a.keys() == b.keys()
+        for k in b:
+            assert_same(a[k], b[k])
+    else:
+        assert a == b
+
+
+# ---------------------------------------------------------------- last_batch
+
+
+def test_last_batch_keep_discard_counts(workers):
+    data = np.arange(N)
+    with mploader.DataLoader(data, B, last_batch="keep", num_workers=workers) as loader:
+        assert len(loader) == 323
+        batches = collect(loader)
+        assert len(batches) == 323 and len(batches[-1]) == N % B == 18
+        assert flat(batches) == list(range(N))
+    with mploader.DataLoader(data, B, last_batch="discard", num_workers=workers) as loader:
+        assert len(loader) == 322
+        batches = collect(loader)
+        assert len(batches) == 322 and {len(b) for b in batches} == {B}
+        assert flat(batches) == list(range(322 * B))
+    with mploader.DataLoader(data, B, num_workers=workers) as loader:  # default: keep
+        assert len(loader) == 323
+
+
+def test_last_batch_rollover_carries_the_remainder(workers):
+    with mploader.DataLoader(np.arange(N), B, last_batch="rollover", num_workers=workers) as loader:
+        assert len(loader) == 322
+        first = collect(loader)
+        assert len(first) == 322 and flat(first) == list(range(322 * B))
+        assert len(loader) == (18 + N) // B == 323  # the 18 carried indices count
+        second = collect(loader)
+        assert len(second) == 323 and {len(b) for b in second} == {B}
+        # the carried remainder leads the next epoch, completed by its first indices
+        assert np.asarray(second[0]).tolist() == list(range(322 * B, N)) + list(range(13))
+        assert flat(second) == list(range(322 * B, N)) + list(range(323 * B - 18))
+        assert len(loader) == (5 + N) // B
+
+
+# ---------------------------------------------------------------- samplers
+
+
+def reference(batch_sampler, dataset, fn=None):
+    fn = fn or mploader.default_batchify
+    return [fn([dataset[i] for i in idx]) for idx in batch_sampler]
+
+
+@pytest.mark.parametrize("make_sampler", [
+    lambda: mploader.SequentialSampler(40, start=3),
+    lambda: mploader.RandomSampler(43, seed=9),
+    lambda: mploader.FilterSampler(lambda x: x % 3 == 0, np.arange(43)),
+    lambda: mploader.IntervalSampler(43, interval=5),
+    lambda: mploader.IntervalSampler(43, interval=5, rollover=False),
+], ids=["sequential", "random", "filter", "interval", "interval-norollover"])
+def test_samplers_drive_the_loader_every_epoch(workers, make_sampler):
+    data = np.arange(50) * 10
+    with mploader.DataLoader(data, 4, sampler=make_sampler(), last_batch="keep", num_workers=workers) as loader:
+        ref_sampler = mploader.BatchSampler(make_sampler(), 4, "keep")
+        for _ in range(2):  # re-iterable: every epoch yields the sampler's next pass
+            got = collect(loader)
+            want = reference(ref_sampler, data)
+            assert len(got) == len(want)
+            for g, w in zip(got, want):
+                assert_same(g, w)
+
+
+def test_shuffle_is_a_new_permutation_each_epoch(workers):
+    with mploader.DataLoader(np.arange(100), 10, shuffle=True, num_workers=workers, seed=3) as loader:
+        first, second = flat(loader), flat(loader)
+    assert sorted(first) == sorted(second) == list(range(100))
+    assert first != second
+    with mploader.DataLoader(np.arange(100), 10, shuffle=True, num_workers=0, seed=3) as loader:
+        assert flat(loader) == first  # the same seed gives the same epochs for any num_workers
+
+
+def test_batch_sampler(workers):
+    data = np.arange(30) ** 2
+    make = lambda: mploader.BatchSampler(mploader.SequentialSampler(30), 7, "rollover")  # noqa: E731
+    with mploader.DataLoader(data, batch_sampler=make(), num_workers=workers) as loader:
+        ref = make()
+        for _ in range(3):
+            assert len(loader) == len(ref)
+            got, want = collect(loader), reference(ref, data)
+            assert [g.tolist() for g in got] == [w.tolist() for w in want]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(), r"batch_size must be specified unless batch_sampler is specified"),
+    (dict(batch_size=2, shuffle=True, sampler=mploader.SequentialSampler(4)),
+     r"shuffle must not be specified if sampler is specified"),
+    (dict(batch_size=2, batch_sampler=[[0, 1]]),
+     r"batch_size, shuffle, sampler and last_batch must not be specified if batch_sampler is specified"),
+    (dict(batch_size=2, last_batch="drop"), r"last_batch must be one of 'keep', 'discard', 'rollover', got 'drop'"),
+    (dict(batch_size=0), r"batch_size must be a positive integer, got 0"),
+    (dict(batch_size=2, num_workers=-1), r"num_workers must be a non-negative integer, got -1"),
+    (dict(batch_size=2, timeout=-1), r"timeout must be a non-negative number of seconds or None, got -1"),
+])
+def test_argument_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        mploader.DataLoader(np.arange(4), **kwargs)
+
+
+# ---------------------------------------------------------------- batchify
+
+
+Pair = collections.namedtuple("Pair", ["tokens", "label"])
+
+
+class Ragged:
+    """Sample i: (int32 tokens of length 1 + i % 7, float label, dict) -- ragged on purpose."""
+
+    def __len__(self):
+        return 29
+
+    def __getitem__(self, i):
+        return (np.arange(1 + i % 7, dtype=np.int32) + i, np.float32(i) / 4,
+                {"mask": np.ones(1 + i % 7, np.uint8), "id": i})
+
+
+class Pairs(Ragged):
+    def __getitem__(self, i):
+        tokens, label, _ = super().__getitem__(i)
+        return Pair(tokens, label)
+
+
+class Dicts(Ragged):
+    def __getitem__(self, i):
+        tokens, label, extra = super().__getitem__(i)
+        return {"tokens": tokens, "label": label, "mask": extra["mask"]}
+
+
+def plain_pad(samples):
+    """A plain callable (no ``collate``): its arrays are copied into the slot once."""
+    width = max(len(s[0]) for s in samples)
+    out = np.zeros((len(samples), width), np.int32)
+    for k, s in enumerate(samples):
+        out[k, :len(s[0])] = s[0]
+    return out, [s[2]["id"] for s in samples]
+
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", UserWarning)  # Pad without pad_val warns
+    BATCHIFY = {
+        "default-ragged": (Ragged(), None),
+        "tuple": (Ragged(), bf.Tuple(bf.Pad(pad_val=-1, ret_length=True, round_to=4), bf.Stack(), bf.List())),
+        "group": (Ragged(), bf.Group(bf.Pad(pad_val=0, dtype=np.int64), bf.Stack(dtype=np.float64),
+                                     bf.Dict({"mask": bf.Pad(pad_val=0), "id": bf.Stack()}))),
+        "namedtuple": (Pairs(), bf.NamedTuple(Pair, {"tokens": bf.Pad(pad_val=7), "label": bf.Stack()})),
+        "dict": (Dicts(), bf.Dict({"tokens": bf.Pad(pad_val=0, ret_length=True), "label": bf.Stack(),
+                                   "mask": bf.Pad(pad_val=0)})),
+        "list": (Ragged(), bf.List()),
+        "plain-callable": (Ragged(), plain_pad),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(BATCHIFY))
+def test_batchify_matches_in_process_reference(workers, name):
+    dataset, fn = BATCHIFY[name]
+    def views_of_the_slot(batch):
+        if workers:
+            assert all(isinstance(lease_of(a), SlotLease) for a in arrays_in(batch)), "zero-copy views of the slot"
+
+    with mploader.DataLoader(dataset, 5, batchify_fn=fn, num_workers=workers) as loader:
+        got = collect(loader, views_of_the_slot)
+    want = reference(mploader.BatchSampler(mploader.SequentialSampler(len(dataset)), 5), dataset, fn)
+    assert len(got) == len(want) == 6
+    for g, w in zip(got, want):
+        assert_same(g, w)
+
+
+def test_batches_are_views_of_one_slot():
+    with mploader.DataLoader(Ragged(), 5, batchify_fn=BATCHIFY["tuple"][1], num_workers=2) as loader:
+        (padded, lengths), labels, extras = next(iter(loader))
+    leases = {id(lease_of(a)) for a in (padded, lengths, labels)}
+    assert len(leases) == 1 and isinstance(lease_of(padded), SlotLease)
+
+
+# ---------------------------------------------------------------- thread_pool, timeout
+
+
+def test_thread_pool_gives_the_same_batches():
+    dataset, fn = BATCHIFY["tuple"]
+    with mploader.DataLoader(dataset, 4, batchify_fn=fn, num_workers=2, thread_pool=True) as loader:
+        assert loader.worker_pids() == []
+        got = collect(loader)
+        assert loader.stats()["shm_bytes"] == 0  # no shared memory with threads
+    want = reference(mploader.BatchSampler(mploader.SequentialSampler(len(dataset)), 4), dataset, fn)
+    for g, w in zip(got, want):
+        assert_same(g, w)
+
+
+class Gated:
+    """Sample 0 waits (at most 20 s) until a byte arrives on a pipe.
+
+    (Not a multiprocessing.Event: setting one blocks forever if a waiter was killed,
+    and the loader kills workers that time out.)"""
+
+    def __init__(self):
+        self.r, self.w = os.pipe()
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        if i == 0:
+            select.select([self.r], [], [], 20)
+        return i
+
+    def release(self):
+        os.write(self.w, b"x")
+
+    def close(self):
+        os.close(self.r)
+        os.close(self.w)
+
+
+@pytest.mark.parametrize("workers, thread_pool", [(1, False), (2, False), (2, True)],
+                         ids=["workers1", "workers2", "threads2"])
+def test_timeout_raises(workers, thread_pool):
+    ds = Gated()
+    try:
+        with mploader.DataLoader(ds, 2, num_workers=workers, thread_pool=thread_pool, timeout=0.2) as loader:
+            it = iter(loader)
+            with pytest.raises(TimeoutError, match=r"took more than 0.2 s"):
+                next(it)
+    finally:
+        ds.release()  # a pool thread is still waiting; workers were killed
+        ds.close()
+
+
+# ---------------------------------------------------------------- pin_memory, try_nopython
+
+
+def test_pin_memory_is_a_no_op_without_cuda_or_workers(workers):
+    cuda = dl_module.cuda_runtime(0) is not None
+    with mploader.DataLoader(np.arange(20), 4, num_workers=workers, pin_memory=True, pin_device_id=0) as loader:
+        assert flat(loader) == list(range(20))
+        if cuda and workers:
+            assert loader._pinner.ranges, "the region is page-locked"
+        else:
+            assert loader._pinner is None
+
+
+class FakeCudart:
+    """Records cudaHostRegister / cudaHostUnregister; returns ``code`` from register."""
+
+    def __init__(self, code=0):
+        self.code = code
+        self.calls = []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.calls.append(("register", ptr, nbytes, flags))
+        return self.code
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+class Growing:
+    """Sample i is a float64 array of 64 * (1 + i) elements: later batches need bigger slots."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return np.full(64 * (1 + i), i, np.float64)
+
+
+def test_pin_memory_registers_the_region_as_it_grows(monkeypatch):
+    fake = FakeCudart()
+    monkeypatch.setattr(dl_module, "cuda_runtime", lambda device_id: (fake, contextlib.nullcontext))
+    loader = mploader.DataLoader(Growing(), 4, num_workers=2, pin_memory=True, batchify_fn=bf.List())
+    try:
+        for batch in loader:
+            region = loader._engine._res.region
+            registered = sum(c[2] for c in fake.calls if c[0] == "register")
+            # everything the returned batch can view is registered by the time it is returned
+            assert registered == region.file_bytes
+            del batch
+        starts = [c[1] for c in fake.calls]
+        assert starts[0] == region.address
+        assert all(c[3] == 1 for c in fake.calls)  # cudaHostRegisterPortable
+        # ranges are contiguous: each starts where the previous ended
+        ends = [c[1] + c[2] for c in fake.calls]
+        assert starts[1:] == ends[:-1]
+        assert len(fake.calls) >= 2, "the region grew while loading bigger batches"
+    finally:
+        loader.close()
+    unregistered = [c[1] for c in fake.calls if c[0] == "unregister"]
+    assert unregistered == starts
+    loader.close()
+    assert len([c for c in fake.calls if c[0] == "unregister"]) == len(starts)  # idempotent
+
+
+def test_pin_memory_registration_failure_warns_once(monkeypatch):
+    fake = FakeCudart(code=1)
+    monkeypatch.setattr(dl_module, "cuda_runtime", lambda device_id: (fake, contextlib.nullcontext))
+    with mploader.DataLoader(Growing(), 4, num_workers=1, pin_memory=True, batchify_fn=bf.List()) as loader:
+        with pytest.warns(RuntimeWarning, match=r"pin_memory: cudaHostRegister .* failed \(cudaError 1\)"):
+            batches = collect(loader)
+    assert len(batches) == 6 and len(fake.calls) == 1
+
+
+@pytest.mark.parametrize("try_nopython", [None, False, True])
+def test_try_nopython_is_accepted(try_nopython):
+    with mploader.DataLoader(np.arange(10), 3, num_workers=1, try_nopython=try_nopython) as loader:
+        assert flat(loader) == list(range(10))
+
+
+# ---------------------------------------------------------------- lifetime
+
+
+def test_iterator_outlives_its_loader(workers, no_leaks):
+    it = iter(mploader.DataLoader(np.arange(40), 4, num_workers=workers))
+    gc.collect()
+    assert len(it) == 10
+    assert flat(it) == list(range(40))
+    del it
+
+
+def test_ten_dropped_loaders_with_eight_workers_leave_nothing(no_leaks):
+    for k in range(10):
+        loader = mploader.DataLoader(np.arange(64) + k, 8, num_workers=8)
+        batch = next(iter(loader))
+        assert batch.tolist() == list(range(k, k + 8))
+        del loader, batch
