@@ -20,6 +20,7 @@ import numbers
 import os
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
@@ -495,6 +496,9 @@ class MultiprocessIterator:
                         prefetch=max(self.n_prefetch, self.n_processes), shared_mem=slot_bytes, timeout_s=None,
                         seed=self._seed, maxtasksperchild=self.maxtasksperchild, on_slow=_on_slow,
                         slow_after_s=self.dataset_timeout)
+                    # The engine and its current run refer to each other; stop the
+                    # workers as soon as this iterator is gone, not at the next cyclic GC.
+                    weakref.finalize(self, self._engine.close)
                 engine = self._engine
             batches = engine.run(tasks)
         self._run = _Run(batches, states, failure)

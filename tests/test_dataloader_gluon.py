@@ -372,9 +372,12 @@ def test_pin_memory_registers_the_region_as_it_grows(monkeypatch):
         for batch in loader:
             region = loader._engine._res.region
             registered = sum(c[2] for c in fake.calls if c[0] == "register")
-            # everything the returned batch can view is registered by the time it is returned
-            assert registered == region.file_bytes
-            del batch
+            # every byte the returned batch views is registered by the time it is returned
+            # (workers may have grown the region further for batches still in flight)
+            for a in batch:
+                start = a.__array_interface__["data"][0]
+                assert region.address <= start and start + a.nbytes <= region.address + registered
+            del batch, a
         starts = [c[1] for c in fake.calls]
         assert starts[0] == region.address
         assert all(c[3] == 1 for c in fake.calls)  # cudaHostRegisterPortable

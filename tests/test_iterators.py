@@ -649,3 +649,21 @@ def test_maxtasksperchild_over_many_epochs_never_stalls(procs, per_child):
         # each worker built at most per_child batches
         assert len(set(pids)) >= n_batches // per_child
         assert all(pids.count(p) <= per_child for p in set(pids))
+
+
+@pytest.mark.parametrize("procs", [1, 2], ids=lambda n: f"procs{n}")
+def test_dropping_the_iterator_stops_its_workers_at_once(procs):
+    import gc
+    import psutil
+
+    gc.disable()  # the workers must stop by reference counting alone
+    try:
+        it = make(Indexed(10), 2, procs, shuffle=False)
+        assert it.next() == [0, 1]
+        pids = set(it._engine.worker_pids())
+        assert len(pids) == procs
+        del it
+        children = {p.pid for p in psutil.Process().children()}
+        assert not pids & children
+    finally:
+        gc.enable()
