@@ -224,8 +224,8 @@ class DataLoader:
         grows, so every returned array is already in pinned memory and
         ``torch.from_numpy(a).cuda(non_blocking=True)`` copies asynchronously without
         an extra copy (Gluon copied each batch into pinned memory instead).  Otherwise
-        (no torch, no CUDA, ``num_workers=0`` or ``thread_pool=True``) it is a no-op:
-        batches are ordinary host memory.
+        (no torch, no CUDA, ``num_workers=0``, ``thread_pool=True`` or ``copy=True``)
+        it is a no-op: batches are ordinary host memory.
     pin_device_id : int
         CUDA device whose context registers the region; the registration is
         portable, i.e. pinned for every device.
