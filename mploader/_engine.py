@@ -124,9 +124,10 @@ class _Worker:
 
 
 class _Task:
-    __slots__ = ("seq", "slot", "worker", "epoch", "batch_index", "indices", "stale")
+    __slots__ = ("seq", "slot", "worker", "epoch", "batch_index", "indices", "stale", "generation")
 
-    def __init__(self, seq, slot, worker, epoch, batch_index, indices):
+    def __init__(self, seq, slot, worker, epoch, batch_index, indices, generation=0):
+        self.generation = generation
         self.seq = seq
         self.slot = slot
         self.worker = worker
@@ -268,8 +269,9 @@ class Engine:
         self._slot_hint = 0
         self._stale: list[_Task] = []
         self._stale_pipe: set[int] = set()
-        self._current: Run | None = None
+        self._current: Callable[[], Run | None] = lambda: None
         self._retired_pending = False
+        self._generation = 0  # bumped when all workers are killed after a failure
         self._warned_full = False
         self._closed = False
         self._stats = collections.Counter()
@@ -352,10 +354,12 @@ class Engine:
         RuntimeError.  See :class:`Run` for the errors raised.
         """
         self._start()
-        if self._current is not None:
-            self._current._abandon()
-        self._current = Run(self, tasks)
-        return self._current
+        previous = self._current()
+        if previous is not None:
+            previous._abandon()
+        run = Run(self, tasks)
+        self._current = weakref.ref(run)  # weak: a run keeps its engine alive, not the reverse
+        return run
 
     def _dispatch(self, epoch: int, batch_index: int, indices: Any) -> _Task:
         res = self._res
@@ -376,7 +380,7 @@ class Engine:
                     f"mploader: all {self.num_slots} slots are held by batches that are still alive; "
                     "further batches travel pickled through a pipe until some are released "
                     "(drop references to old batches, or pass copy=True)", RuntimeWarning, stacklevel=4)
-        task = _Task(seq, slot, worker, epoch, batch_index, indices)
+        task = _Task(seq, slot, worker, epoch, batch_index, indices, self._generation)
         try:
             worker.conn.send_bytes(pickle.dumps((seq, slot, epoch, batch_index, indices), protocol=5))
         except OSError:
@@ -391,7 +395,12 @@ class Engine:
             res.workers.append(self._spawn())
         return task
 
-    def _receive(self, task: _Task) -> Any:
+    def _await(self, task: _Task) -> None:
+        """Block until ``task``'s batch is ready (slot LEASED or message in the mailbox).
+
+        Raises WorkerError / TimeoutError / RuntimeError (closed), or whatever
+        ``on_slow`` raises; the task is not consumed in any of those cases.
+        """
         region = self._res.region
         start = time.monotonic()
         warned = False
@@ -415,6 +424,10 @@ class Engine:
                     and waited > self.slow_after_s:
                 warned = True
                 self.on_slow(task.seq, waited)
+
+    def _consume(self, task: _Task) -> Any:
+        """Turn a ready task into its batch (or re-raise its worker's exception)."""
+        region = self._res.region
         self._finish_task(task)
         self._stats["batches"] += 1
         if task.slot < 0:
@@ -518,6 +531,7 @@ class Engine:
         """After a dead or stuck worker: stop all workers, free every slot they held."""
         res = self._res
         res.kill_workers(0)
+        self._generation += 1
         region = res.region
         for slot in range(self.num_slots):
             if region.state(slot) in (_ring.STATE_ASSIGNED, _ring.STATE_READY):
@@ -581,6 +595,9 @@ class Run:
         self._exhausted = False
         self._done = False
         self._superseded = False
+        # A run dropped mid-epoch hands its batches in flight to the engine as stale,
+        # so their slots are freed as they complete.
+        self._abandon_inflight = weakref.finalize(self, _make_stale, engine, self._inflight)
 
     def __iter__(self) -> "Run":
         return self
@@ -609,7 +626,13 @@ class Run:
             if not inflight:
                 self._done = True
                 raise StopIteration
-            return engine._receive(inflight.popleft())
+            task = inflight.popleft()
+            try:
+                engine._await(task)
+            except BaseException:
+                inflight.appendleft(task)  # still owed: a later next() waits for it again
+                raise
+            return engine._consume(task)
         except (WorkerError, TimeoutError):
             self._inflight.clear()
             self._done = True
@@ -618,10 +641,16 @@ class Run:
 
     def _abandon(self) -> None:
         self._superseded = True
-        for t in self._inflight:
-            t.stale = True
-            self._engine._stale.append(t)
-        self._inflight.clear()
+        self._abandon_inflight()
+
+
+def _make_stale(engine: Engine, inflight: collections.deque) -> None:
+    if not engine.closed:
+        for t in inflight:
+            if t.generation == engine._generation:  # older ones died with their workers
+                t.stale = True
+                engine._stale.append(t)
+    inflight.clear()
 
 
 class InlineRun:

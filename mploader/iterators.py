@@ -30,7 +30,7 @@ from . import _engine
 __all__ = ["MultiprocessIterator", "OrderSampler", "ShuffleOrderSampler"]
 
 #: ``stacklevel`` that attributes the TimeoutWarning to the caller of ``next()`` when the
-#: engine reports the stall (_warn_stalled <- _on_slow <- _receive <- run <- __next__ <- caller).
+#: engine reports the stall (_warn_stalled <- _on_slow <- Engine._await <- Run.__next__ <- __next__ <- caller).
 _ENGINE_STACKLEVEL = 6
 #: The same for the in-process path (_warn_stalled <- _InlineRun.__next__ <- __next__ <- caller).
 _INLINE_STACKLEVEL = 4
