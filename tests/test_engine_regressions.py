@@ -1,0 +1,106 @@
+"""Regression tests for engine bugs found during development (one test per bug)."""
+import gc
+import multiprocessing
+
+import numpy as np
+import psutil
+import pytest
+
+import mploader
+from mploader import _ring
+from mploader._engine import Engine
+from mploader.dataloader import make_fetch
+
+
+class Gated:
+    """Item 0 blocks until the gate is set; every item is a small array."""
+
+    def __init__(self, gate):
+        self.gate = gate
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if i == 0:
+            self.gate.wait(30)
+        return np.full(3, i, np.int64)
+
+
+def test_interrupt_while_waiting_keeps_the_batch_owed():
+    """An exception raised while waiting (here from on_slow) must not leak the slot:
+    the batch stays owed, the next next() returns it, and every slot ends FREE."""
+    gate = multiprocessing.Event()
+
+    def on_slow(seq, waited):
+        raise KeyboardInterrupt
+
+    engine = Engine(Gated(gate), make_fetch(None), num_workers=1, prefetch=2, shared_mem=None,
+                    timeout_s=None, seed=0, on_slow=on_slow, slow_after_s=0.01)
+    try:
+        run = engine.run((0, i, [i]) for i in range(4))
+        with pytest.raises(KeyboardInterrupt):
+            next(run)
+        gate.set()
+        got = [b[0, 0] for b in run]
+        assert got == [0, 1, 2, 3]
+        del got, run
+        gc.collect()
+        region = engine._res.region
+        assert [region.state(s) for s in range(region.nslots)] == [_ring.STATE_FREE] * region.nslots
+    finally:
+        engine.close()
+
+
+def test_dropped_loader_stops_workers_without_cyclic_gc():
+    """Engine and Run must not form a cycle: dropping the loader and its iterator
+    stops the workers even with the cyclic garbage collector off."""
+    class DS:
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            return np.zeros(3)
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children()}
+    gc.disable()
+    try:
+        loader = mploader.DataLoader(DS(), batch_size=4, num_workers=2, seed=0)
+        it = iter(loader)
+        next(it)
+        assert len({p.pid for p in me.children()} - before) == 2
+        del loader, it
+        assert {p.pid for p in me.children()} - before == set()
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (0,), (0, 3), (2, 0, 4)])
+def test_zero_size_samples_stack(shape):
+    """Zero-size samples: np.concatenate's reshape must not be ambiguous."""
+    samples = [np.zeros(shape, np.float32) for _ in range(3)]
+    out = mploader.default_batchify(samples)
+    assert out.shape == (3,) + shape and out.dtype == np.float32
+
+
+def test_abandoned_iteration_frees_its_slots():
+    """Breaking out of an epoch leaves batches in flight; they are freed as they
+    complete, so later epochs never run short of slots (no pipe fallback)."""
+    class DS:
+        def __len__(self):
+            return 200
+
+        def __getitem__(self, i):
+            return np.full(8, i, np.int32)
+
+    with mploader.DataLoader(DS(), batch_size=4, num_workers=2, seed=0) as loader:
+        for _ in range(5):
+            for k, batch in enumerate(loader):
+                if k == 3:
+                    break
+            del batch
+        whole = [b[:, 0].copy() for b in loader]
+        assert np.array_equal(np.concatenate(whole), np.arange(200))
+        stats = loader.stats()
+        assert stats["fallback_pipe"] == 0 and stats["no_free_slot"] == 0
