@@ -630,6 +630,15 @@ def run(cfg: ImagesConfig, *, console: Any = None, out_dir: str | os.PathLike | 
     # torch's default collate warns (once per worker) that the samples, read-only
     # views of Pillow images, are not writable; it only reads them.
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # pragma: no cover
+        load = None
+    report["load_average_before"] = load
+    cores = report["machine"].get("usable_cores") or os.cpu_count() or 1
+    if load is not None and load > 0.5:
+        log(f"note: load average {load:.2f} on {cores} cores before the run; other work on the "
+            f"machine depresses and scatters the rates")
     tree = _Tree()
     problems: list[str] = []
     for fmt in cfg.formats:
