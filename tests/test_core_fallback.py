@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import collections
 import gc
 import warnings
 
@@ -135,6 +136,27 @@ def test_ragged_arrays_delivered_as_list_of_views():
         assert type(batch) is list and len(batch) == 4
         assert all(isinstance(lease_of(a), SlotLease) for a in batch)
         del batch
+
+
+Pair = collections.namedtuple("Pair", "first second")
+
+STACKABLE = {
+    "namedtuple": lambda i: Pair(np.arange(2) + i, i),
+    "namedtuple in tuple": lambda i: (Pair(np.arange(2) + i, i),),
+    "namedtuples in list": lambda i: [Pair(np.arange(2) + i, i), Pair(np.ones(1), float(i))],
+    "dict in tuple": lambda i: ({"a": np.arange(3) + i}, i),
+    "tuple in dict": lambda i: {"x": (np.arange(3) + i, i), "y": i},
+}
+
+
+@pytest.mark.parametrize("make", list(STACKABLE.values()), ids=list(STACKABLE))
+def test_stackable_structures_count_as_fast_path(make):
+    """Nested containers of stackable leaves are all zero-copy: counted ``slot``, never
+    as a fallback."""
+    stats = run_and_compare(Fn(12, make), 4)
+    assert stats["batches"] == 3
+    assert stats["slot"] == 3, stats
+    assert stats["fallback_inband"] == 0 and stats["fallback_pipe"] == 0, stats
 
 
 def test_user_batchify_arrays_copied_into_slot():
