@@ -24,7 +24,7 @@ ALIGN = 64
 _HEADROOM = 1.25
 _PLAIN = frozenset((tuple, list, dict, int, float, bool, complex, str, bytes, type(None)))
 _EMPTY = np.empty(0, np.uint8)
-_CONTAINERS = frozenset((np.ndarray, list, tuple, dict))
+_CONTAINERS = (np.ndarray, list, tuple, dict)
 
 
 def _align(n: int) -> int:
@@ -120,7 +120,7 @@ class _SlotPickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         t = type(obj)
         if t in _PLAIN:
-            if t is list and obj and type(obj[0]) not in _CONTAINERS:
+            if t is list and obj and not isinstance(obj[0], _CONTAINERS):
                 # A list of leaves (what a batchify passes through when it cannot
                 # stack them: ragged sequences, strings, numbers of mixed types)
                 # travels pickled: count the batch as a fallback.
