@@ -188,3 +188,15 @@ def test_transport_suite_smoke(tmp_path):
     saved = json.loads((tmp_path / "transport-latest.json").read_text())
     assert saved["config"]["sizes"] == ["tiny"]
     assert len(saved["runs"]) == 6
+
+
+@pytest.mark.parametrize("dataset_cls", [TinyDataset, ScalarFirstDataset])
+def test_collate_limit_matches_inline(dataset_cls):
+    from mploader._bench.transport import CollateLimit
+
+    ds = dataset_cls()
+    batches = [[i % len(ds) for i in b] for b in EPOCH_A]
+    with peers.open_transport("inline", ds, workers=0) as ref:
+        want = _run_epoch(ref, batches)
+    with CollateLimit(ds, max_batch=8) as limit:
+        _assert_same(_run_epoch(limit, batches), want)

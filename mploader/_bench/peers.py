@@ -10,7 +10,8 @@ batches, in the order of that list:
 ``pickle``
     The MXNet Gluon / GluonNLP design: a forked :class:`multiprocessing.pool.Pool`
     whose initializer stores the dataset in a global; a worker fetches the
-    samples, collates them with :func:`numpy.stack` and returns the batch, which
+    samples, collates them with :func:`collate` (:func:`numpy.stack` for arrays,
+    :func:`numpy.asarray` for numbers) and returns the batch, which
     the pool pickles through its result pipe.  About ``2 * workers`` batches are
     in flight, results are taken in order.
 ``queue``
@@ -22,7 +23,7 @@ batches, in the order of that list:
     ``prefetch_factor=2`` and its default collate; tensors are turned into
     numpy arrays with ``Tensor.numpy()`` (zero-copy).
 ``inline``
-    No worker: the calling process fetches and collates with ``numpy.stack``.
+    No worker: the calling process fetches and collates with :func:`collate`.
     This is the reference the others are checked against.
 
 A batch is yielded as a tuple with one array per field of the sample (for a
@@ -69,13 +70,17 @@ _FORK = multiprocessing.get_context("fork")
 
 
 def collate(samples: Sequence[Any]) -> Any:
-    """Stack a list of samples into one batch with :func:`numpy.stack`.
+    """Collate a list of samples into one batch, as Gluon's default batchify.
+
+    Arrays are stacked with :func:`numpy.stack`; numbers (Python or numpy
+    scalars) become an array with :func:`numpy.asarray`; tuples/lists are
+    collated field by field.
 
     Parameters
     ----------
     samples : sequence
-        Samples of one structure: arrays, numbers (Python or numpy scalars), or
-        tuples/lists of those (nested to any depth).
+        Samples of one structure: arrays, numbers, or tuples/lists of those
+        (nested to any depth).
 
     Returns
     -------
@@ -86,7 +91,9 @@ def collate(samples: Sequence[Any]) -> Any:
     first = samples[0]
     if isinstance(first, (tuple, list)):
         return tuple(collate(field) for field in zip(*samples))
-    return np.stack([np.asarray(s) for s in samples])
+    if isinstance(first, np.ndarray):
+        return np.stack(samples)
+    return np.asarray(samples)
 
 
 def _fetch_collate(dataset: Any, indices: Sequence[int]) -> Any:

@@ -15,7 +15,7 @@ The transports are those of :mod:`mploader._bench.peers` (``mploader``,
 ``pickle``, ``queue``, ``torch`` when installed; ``inline`` on request), all
 with the same number of workers, plus ``collate-limit``: the calling process
 alone stacks each batch's samples with :func:`numpy.stack` into a pre-allocated,
-pre-faulted output buffer.  That is the physical reference: the single-core
+pre-faulted output buffer (labels, being numbers, are assigned element-wise).  That is the physical reference: the single-core
 cost of the one copy that any loader has to make.
 
 Method
@@ -189,14 +189,19 @@ class CollateLimit:
         self._tuple = isinstance(first, (tuple, list))
         fields = list(first) if self._tuple else [first]
         self._bufs = []
+        self._stack = []  # per field: np.stack (arrays) or element-wise assignment (numbers)
         for f in fields:
             a = np.asarray(f)
             buf = np.empty((max_batch,) + a.shape, dtype=a.dtype)
             buf.fill(1)  # fault every page in now
             self._bufs.append(buf)
+            self._stack.append(isinstance(f, np.ndarray) and f.ndim > 0)
 
     def epoch(self, batches: Sequence[Sequence[int]]) -> Iterator[Any]:
-        """Stack each batch into the buffers; yields the buffers' views.
+        """Collate each batch into the buffers; yields the buffers' views.
+
+        Array fields are stacked with ``np.stack(..., out=buffer)``; number
+        fields are assigned element-wise (as ``np.asarray`` would collate them).
 
         Parameters
         ----------
@@ -209,19 +214,22 @@ class CollateLimit:
             Views of the output buffers (overwritten by the next batch).
         """
         ds = self.dataset
-        bufs = self._bufs
+        fields = list(zip(range(len(self._bufs)), self._bufs, self._stack))
         for indices in batches:
             samples = [ds[i] for i in indices]
             n = len(samples)
-            if self._tuple:
-                out = []
-                for k, buf in enumerate(bufs):
-                    np.stack([s[k] for s in samples], out=buf[:n])
-                    out.append(buf[:n])
-                yield tuple(out)
-            else:
-                np.stack(samples, out=bufs[0][:n])
-                yield bufs[0][:n]
+            if not self._tuple:
+                samples = [(s,) for s in samples]
+            out = []
+            for k, buf, stack in fields:
+                view = buf[:n]
+                column = [s[k] for s in samples]
+                if stack:
+                    np.stack(column, out=view)
+                else:
+                    view[...] = column
+                out.append(view)
+            yield tuple(out) if self._tuple else out[0]
 
     def close(self) -> None:
         """Nothing to stop; present for the common interface."""
