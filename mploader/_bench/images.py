@@ -42,6 +42,10 @@ Metrics of a run (the table shows medians over repetitions):
   that thread is subtracted from the parent's;
 * x pickle, x torch: ratios of median images/s;
 * scaling: images/s / (workers x inline images/s).
+
+Each run also records ``other_cpu_pct``: the CPU that other processes on the
+machine took during the run (system-wide busy time minus this tree's), as % of
+all cores; a table whose runs saw more than 10 % says so under it.
 """
 from __future__ import annotations
 
@@ -306,6 +310,14 @@ class _Tree:
                 pass
         return out
 
+    def system_busy(self) -> float | None:
+        """CPU seconds the whole machine has been busy (all CPUs, not idle/iowait/steal)."""
+        if self.psutil is None:
+            return None
+        t = self.psutil.cpu_times()
+        idle = t.idle + getattr(t, "iowait", 0.0) + getattr(t, "steal", 0.0)
+        return sum(t) - idle - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
     def pss(self) -> int | None:
         if self.psutil is None:
             return None
@@ -407,6 +419,13 @@ def _open_dataset(fmt: str, folder: _data.ImageFolder, cfg: ImagesConfig, epochs
     return _pipeline.RawDataset(images_path, labels_path, seed=cfg.seed, epochs=epochs)
 
 
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # pragma: no cover
+        return os.cpu_count() or 1
+
+
 def _median(xs: Sequence[float | None]) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -417,6 +436,7 @@ def _run_format(fmt: str, folder: _data.ImageFolder, cfg: ImagesConfig, tree: _T
     from . import peers
 
     B, W = cfg.batch_size, cfg.workers
+    ncpu = _usable_cores()
     image_bytes = _pipeline.OUTPUT_SIZE * _pipeline.OUTPUT_SIZE * 3 + 8
     verifier = _Verifier(fmt)
     names = list(cfg.transports)
@@ -477,18 +497,21 @@ def _run_format(fmt: str, folder: _data.ImageFolder, cfg: ImagesConfig, tree: _T
                 nb = n_inline if name == "inline" else n_batches
                 bar.set_description_str(f"{fmt}: {name} {rep + 1}/{cfg.repeats}")
                 tree.track(pids[name])
-                cpu0 = tree.cpu()
+                cpu0, busy0 = tree.cpu(), tree.system_busy()
                 sampler = _PssSampler(tree)
                 sampler.start()
                 wall, wait = _run_epoch(opened[name], batches[:nb], 0, verifier,
                                         f"{name} (repetition {rep + 1})", B, bar.update)
                 peak = sampler.stop()
-                cpu1 = tree.cpu()
+                cpu1, busy1 = tree.cpu(), tree.system_busy()
                 images = nb * B
-                cpu_s = None
+                cpu_s = other_pct = None
                 if cpu0 is not None and cpu1 is not None:
-                    cpu_s = sum(v - cpu0.get(pid, 0.0) for pid, v in cpu1.items())
-                    cpu_s = max(0.0, cpu_s - sampler.cpu_s)
+                    tree_s = sum(v - cpu0.get(pid, 0.0) for pid, v in cpu1.items())
+                    cpu_s = max(0.0, tree_s - sampler.cpu_s)
+                    if busy0 is not None and busy1 is not None:
+                        # CPU that other processes on the machine took during the run.
+                        other_pct = max(0.0, 100.0 * (busy1 - busy0 - tree_s) / (wall * ncpu))
                 runs[name].append({
                     "repetition": rep + 1, "batches": nb, "images": images, "wall_s": wall,
                     "wait_s": wait, "images_per_s": images / wall,
@@ -498,6 +521,7 @@ def _run_format(fmt: str, folder: _data.ImageFolder, cfg: ImagesConfig, tree: _T
                     "cpu_s_per_1k_images": None if cpu_s is None else 1000.0 * cpu_s / images,
                     "peak_pss_mb": None if peak is None else peak / 1e6,
                     "processes": 1 + len(pids[name]),
+                    "other_cpu_pct": other_pct,
                 })
                 if verifier.problems:
                     break
@@ -514,6 +538,8 @@ def _run_format(fmt: str, folder: _data.ImageFolder, cfg: ImagesConfig, tree: _T
         med = {m: _median([r[m] for r in runs[name]]) for m in metrics}
         fmt_report["transports"][name] = {"runs": runs[name], "median": med}
     _add_ratios(fmt_report, W)
+    others = [r["other_cpu_pct"] for rs in runs.values() for r in rs if r["other_cpu_pct"] is not None]
+    fmt_report["other_cpu_pct_max"] = max(others) if others else None
     fmt_report["verification"] = {
         "batches_checked": len(verifier.ref),
         "ok": not verifier.problems,
@@ -599,6 +625,10 @@ def run(cfg: ImagesConfig, *, console: Any = None, out_dir: str | os.PathLike | 
             _print(console, line)
 
     started = _dt.datetime.now(_dt.timezone.utc)
+    try:
+        load = os.getloadavg()[0]
+    except OSError:  # pragma: no cover
+        load = None
     if cfg.data is None:
         root = _data.ensure_default_data(cfg.cache_dir, count=cfg.count, seed=cfg.seed,
                                          progress=cfg.progress, log=log)
@@ -630,12 +660,8 @@ def run(cfg: ImagesConfig, *, console: Any = None, out_dir: str | os.PathLike | 
     # torch's default collate warns (once per worker) that the samples, read-only
     # views of Pillow images, are not writable; it only reads them.
     warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-    try:
-        load = os.getloadavg()[0]
-    except OSError:  # pragma: no cover
-        load = None
     report["load_average_before"] = load
-    cores = report["machine"].get("usable_cores") or os.cpu_count() or 1
+    cores = _usable_cores()
     if load is not None and load > 0.5:
         log(f"note: load average {load:.2f} on {cores} cores before the run; other work on the "
             f"machine depresses and scatters the rates")
@@ -724,6 +750,10 @@ def print_tables(report: dict, console: Any) -> None:
         ok = fr["verification"]["ok"]
         caption = (f"checksums: {fr['verification']['batches_checked']} batches identical across "
                    f"transports and repetitions" if ok else "checksums: MISMATCH")
+        other = fr.get("other_cpu_pct_max")
+        if other is not None and other > 10:
+            caption += (f"\nwarning: other processes took up to {other:.0f}% of the machine's CPU "
+                        f"during a run: rates are depressed and scattered")
         try:
             from rich.table import Table
         except ImportError:
