@@ -283,6 +283,39 @@ def _git_commit() -> str | None:
     return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
+def cpu_busy_percent(interval: float = 1.0) -> float | None:
+    """Share of all CPUs busy over the next `interval` seconds, in percent.
+
+    Parameters
+    ----------
+    interval : float, optional
+        Sampling window, seconds.
+
+    Returns
+    -------
+    float or None
+        Busy percentage (0-100), or None where it cannot be measured.
+    """
+    try:
+        import psutil
+
+        return float(psutil.cpu_percent(interval=interval))
+    except Exception:
+        pass
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:8]]
+        return sum(v), v[3] + v[4]
+    try:
+        t0, i0 = sample()
+        time.sleep(interval)
+        t1, i1 = sample()
+    except (OSError, ValueError):
+        return None
+    return 100.0 * (1 - (i1 - i0) / max(1, t1 - t0))
+
+
 def machine_info(with_torch: bool = True) -> dict[str, Any]:
     """Describe the machine and software versions.
 
@@ -557,10 +590,10 @@ def run(*, workers: int = 2, repeats: int = 5, seconds: float = DEFAULT_SECONDS,
         out.line(f"transport benchmark: {m['cpu_model']}, {m['usable_cores']} usable cores, "
                  f"python {m['python']}, numpy {m['numpy']}, torch {m['torch']}; "
                  f"workers={workers}, repeats={repeats}, ~{seconds:g} s per run")
-    load = m.get("load_avg")
-    if load and m["usable_cores"] and load[0] > 0.5 * m["usable_cores"]:
-        out.line(f"note: load average {load[0]:.2f} on {m['usable_cores']} cores before the run; "
-                 "other work on the machine will depress and scatter the rates")
+    busy = m["cpu_busy_before_pct"] = cpu_busy_percent(1.0)
+    if busy is not None and busy > 20:
+        out.line(f"note: the CPUs were {busy:.0f}% busy just before the run; other work on the "
+                 "machine will depress and scatter the rates")
 
     for size in sizes:
         _run_size(size, names, report, out, workers=workers, repeats=repeats,
