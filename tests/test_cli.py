@@ -177,6 +177,7 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
             run = rec["runs"][0]
             assert run["images"] == 6 and run["images_per_s"] > 0 and run["wall_s"] > 0
             assert 0 <= run["wait_pct"] <= 100
+            assert run["wait_ms_per_batch"] == pytest.approx(1000 * run["wait_s"] / 2)
             assert run["cpu_s_per_1k_images"] >= 0 and run["peak_pss_mb"] > 0
             assert run["other_cpu_pct"] >= 0
         assert fr["transports"]["pickle"]["x_pickle"] == pytest.approx(1.0)

@@ -35,6 +35,9 @@ Metrics of a run (the table shows medians over repetitions):
 
 * images/s and MB/s (1e6 bytes of collated images and labels per second);
 * wait %: time the consumer spent inside ``next()``, as % of the run's wall time;
+* wait ms/batch: the same time per batch, in milliseconds (the stall a training
+  step sees; unlike wait %, it does not grow with the consumer's share of a
+  faster run);
 * CPU s / 1k img: user + system CPU seconds of the parent and of this
   transport's worker processes (psutil) during the run, per 1,000 images;
 * peak PSS: largest sum of the proportional set size of the parent and the
@@ -517,6 +520,7 @@ def _run_format(fmt: str, folder: _data.ImageFolder, cfg: ImagesConfig, tree: _T
                     "wait_s": wait, "images_per_s": images / wall,
                     "mb_per_s": images * image_bytes / wall / 1e6,
                     "wait_pct": 100.0 * wait / wall,
+                    "wait_ms_per_batch": 1000.0 * wait / nb,
                     "cpu_s": cpu_s,
                     "cpu_s_per_1k_images": None if cpu_s is None else 1000.0 * cpu_s / images,
                     "peak_pss_mb": None if peak is None else peak / 1e6,
@@ -533,7 +537,8 @@ def _run_format(fmt: str, folder: _data.ImageFolder, cfg: ImagesConfig, tree: _T
             except Exception:
                 pass
 
-    metrics = ("images_per_s", "mb_per_s", "wait_pct", "cpu_s_per_1k_images", "peak_pss_mb")
+    metrics = ("images_per_s", "mb_per_s", "wait_pct", "wait_ms_per_batch",
+               "cpu_s_per_1k_images", "peak_pss_mb")
     for name in names:
         med = {m: _median([r[m] for r in runs[name]]) for m in metrics}
         fmt_report["transports"][name] = {"runs": runs[name], "median": med}
@@ -576,7 +581,8 @@ def _targets(report: dict) -> list[dict]:
         if fmt == "jpeg":
             m, p = ts["mploader"]["median"], ts[peer]["median"]
             for metric, label in (("cpu_s_per_1k_images", "CPU s / 1k images"),
-                                  ("wait_pct", "consumer wait %")):
+                                  ("wait_pct", "consumer wait %"),
+                                  ("wait_ms_per_batch", "consumer wait ms/batch")):
                 if m[metric] is not None and p[metric] is not None:
                     out.append({"format": fmt, "peer": peer, "metric": f"{label} lower",
                                 "target": p[metric], "measured": m[metric],
@@ -734,14 +740,15 @@ def print_tables(report: dict, console: Any) -> None:
         for name, rec in fr["transports"].items():
             m = rec["median"]
             rows.append([name, _fmt(m["images_per_s"], ",.0f"), _fmt(m["mb_per_s"], ",.0f"),
-                         _fmt(m["wait_pct"], ".1f"), _fmt(m["cpu_s_per_1k_images"], ".2f"),
+                         _fmt(m["wait_pct"], ".1f"), _fmt(m["wait_ms_per_batch"], ",.1f"),
+                         _fmt(m["cpu_s_per_1k_images"], ".2f"),
                          _fmt(m["peak_pss_mb"], ",.0f"), _fmt(rec["x_pickle"], ".2f", "x"),
                          _fmt(rec["x_torch"], ".2f", "x"),
                          _fmt(None if rec["scaling_efficiency"] is None
                               else 100 * rec["scaling_efficiency"], ".0f", "%")])
         rows_by_fmt[fmt] = rows
-    header = ["transport", "images/s", "MB/s", "wait %", "CPU s/1k img", "peak PSS MB",
-              "x pickle", "x torch", "scaling"]
+    header = ["transport", "images/s", "MB/s", "wait %", "wait ms/batch", "CPU s/1k img",
+              "peak PSS MB", "x pickle", "x torch", "scaling"]
     for fmt, rows in rows_by_fmt.items():
         fr = report["formats"][fmt]
         title = (f"images · {fmt} · {cfg['workers']} workers · batch {cfg['batch_size']} · "
