@@ -359,3 +359,17 @@ def test_make_batches_prefix_and_passes():
     flat = np.concatenate(a)
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10, 20))
     assert a != make_batches(10, 4, 5, seed=2)
+
+
+def test_batch_checksum_crc32_fallback(monkeypatch):
+    import zlib
+
+    from mploader._bench import images
+
+    x = np.arange(4 * 224 * 224 * 3, dtype=np.uint64).astype(np.uint8).reshape(4, 224, 224, 3)
+    y = np.arange(4, dtype=np.int64)
+    monkeypatch.setattr(images, "_xxhash", None)
+    assert batch_checksum(x, y) == zlib.crc32(y, zlib.crc32(x))
+    z = x.copy()
+    z[2, 3, 4, 1] += 1
+    assert batch_checksum(z, y) != batch_checksum(x, y)
