@@ -11,6 +11,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+#: ``alloc(shape, dtype) -> ndarray``: returns a writable, C-contiguous, possibly
+#: uninitialised array of exactly ``shape`` and ``dtype`` (a slot view in a worker).
 Alloc = Callable[[tuple, np.dtype], np.ndarray]
 
 _NUMBER_TYPES = (bool, int, float, complex, np.number, np.bool_)
@@ -18,6 +20,7 @@ _NDARRAY_ONLY = {np.ndarray}
 
 
 def _heap_alloc(shape: tuple, dtype: Any) -> np.ndarray:
+    """The ``alloc`` of in-process batchifying: an ordinary uninitialised array."""
     return np.empty(shape, dtype)
 
 

@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from ._collate import Alloc, _heap_alloc
+
 __all__ = [
     "Batchify",
     "Stack",
@@ -49,16 +51,6 @@ __all__ = [
     "List",
     "collate",
 ]
-
-#: ``alloc(shape, dtype) -> ndarray``: returns a writable, C-contiguous,
-#: possibly uninitialised array of exactly ``shape`` and ``dtype``.
-Alloc = Callable[[tuple[int, ...], np.dtype], np.ndarray]
-
-
-def _heap_alloc(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """Allocate an uninitialised ordinary (heap) array; the ``alloc`` of ``__call__``."""
-    return np.empty(shape, dtype)
-
 
 def _allocate(alloc: Alloc, shape: tuple[int, ...], dtype: np.dtype, who: str) -> np.ndarray:
     """Call ``alloc`` and check that it kept its side of the contract.

@@ -29,16 +29,15 @@ def make_fetch(batchify_fn: Callable | None, sharded: bool = False) -> Callable:
     batchified results, all built by the same call (one worker, one slot).
     """
     if batchify_fn is None:
-        def one(dataset, indices, alloc):
-            return collate([dataset[i] for i in indices], alloc)
+        into = collate
     elif hasattr(batchify_fn, "collate"):
         into = batchify_fn.collate
-
-        def one(dataset, indices, alloc):
-            return into([dataset[i] for i in indices], alloc)
     else:
-        def one(dataset, indices, alloc):
-            return batchify_fn([dataset[i] for i in indices])
+        def into(samples, alloc):
+            return batchify_fn(samples)
+
+    def one(dataset, indices, alloc):
+        return into([dataset[i] for i in indices], alloc)
     if not sharded:
         return one
 
