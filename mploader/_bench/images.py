@@ -95,7 +95,7 @@ IMAGE_TRANSPORTS = ("mploader", "pickle", "torch", "inline")
 #: Default target duration of one timed run of a worker transport, in seconds.
 DEFAULT_SECONDS = 5.0
 #: Default number of repetitions.
-DEFAULT_REPEATS = 3
+DEFAULT_REPEATS = 5
 #: ImageNet's mean and std of the red channel (0-255 scale), used by the consumer.
 _MEAN_R, _STD_R = 123.675, 58.395
 _PSS_INTERVAL = 0.5
