@@ -18,6 +18,7 @@ import pytest
 
 import mploader
 from mploader._ring import SlotLease
+from _util import lease_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,13 +48,6 @@ class Fn:
 
     def __getitem__(self, i):
         return self.fn(i)
-
-
-def lease_of(arr):
-    base = arr
-    while isinstance(base, np.ndarray):
-        base = base.base
-    return base
 
 
 def assert_equal(got, want, path="batch"):

@@ -15,6 +15,7 @@ import torch
 
 import mploader
 from mploader._ring import SlotLease
+from _util import lease_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,13 +38,6 @@ class Counting:
 def expected(k):
     idx = range(k * BATCH, (k + 1) * BATCH)
     return np.stack([np.arange(15, dtype=np.float32).reshape(5, 3) + 1000 * i for i in idx]), np.array(idx)
-
-
-def lease_of(arr):
-    base = arr
-    while isinstance(base, np.ndarray):
-        base = base.base
-    return base
 
 
 def slot_of(batch):

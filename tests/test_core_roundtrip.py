@@ -29,6 +29,7 @@ import mploader
 from mploader._ring import SlotLease
 
 from conftest import Snapshot
+from _util import lease_of
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -168,13 +169,6 @@ def owned(batch):
     if isinstance(batch, (list, tuple)):
         return type(batch)(map(owned, batch))
     return batch
-
-
-def lease_of(arr):
-    base = arr
-    while isinstance(base, np.ndarray):
-        base = base.base
-    return base
 
 
 # ---- loaders reused across examples ----

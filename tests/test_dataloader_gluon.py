@@ -21,6 +21,7 @@ import mploader
 from mploader import batchify as bf
 from mploader import dataloader as dl_module
 from mploader._ring import SlotLease
+from _util import lease_of, arrays_in
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -64,24 +65,6 @@ def collect(loader, check=None):
         out.append(owned(b))
         del b
     return out
-
-
-def lease_of(arr):
-    base = arr
-    while isinstance(base, np.ndarray):
-        base = base.base
-    return base
-
-
-def arrays_in(obj):
-    if isinstance(obj, np.ndarray):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            yield from arrays_in(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from arrays_in(x)
 
 
 def assert_same(a, b):

@@ -23,6 +23,7 @@ import pytest
 import mploader
 from mploader import MultiprocessIterator, ShuffleOrderSampler
 from mploader._ring import SlotLease
+from _util import lease_of, arrays_in
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -87,24 +88,6 @@ def example_equal(a, b):
     if isinstance(a, dict):
         return type(b) is dict and a.keys() == b.keys() and all(example_equal(a[k], b[k]) for k in a)
     return type(a) is type(b) and a == b
-
-
-def arrays_in(obj):
-    if isinstance(obj, np.ndarray):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            yield from arrays_in(x)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            yield from arrays_in(x)
-
-
-def lease_of(arr):
-    base = arr
-    while isinstance(base, np.ndarray):
-        base = base.base
-    return base
 
 
 def snapshot(it):

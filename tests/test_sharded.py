@@ -15,6 +15,7 @@ import pytest
 import mploader
 from mploader import batchify as bf
 from mploader._ring import SlotLease
+from _util import lease_of, arrays_in
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,21 +63,6 @@ class ShardedBuckets(mploader.Sampler):
 
     def __len__(self):
         return len(self._batches)
-
-
-def lease_of(arr):
-    base = arr
-    while isinstance(base, np.ndarray):
-        base = base.base
-    return base
-
-
-def arrays_in(obj):
-    if isinstance(obj, np.ndarray):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for x in obj:
-            yield from arrays_in(x)
 
 
 def owned(obj):
