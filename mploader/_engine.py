@@ -158,7 +158,7 @@ class _Resources:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            ready, _, _ = select.select([w.pidfd for w in alive], [], [], left)
+            ready = _exited([w.pidfd for w in alive], left)
             for w in alive:
                 if w.pidfd in ready:
                     _reap(w)
@@ -195,6 +195,18 @@ class _Resources:
         if self.region is not None:
             self.region.forget()
             self.region = None
+
+
+def _exited(pidfds: list[int], timeout_s: float) -> set[int]:
+    """The pidfds among ``pidfds`` whose process has exited, waiting up to ``timeout_s``.
+
+    poll(), not select(): a training process may hold more than FD_SETSIZE (1024)
+    descriptors, and select() cannot watch a descriptor numbered above that.
+    """
+    poller = select.poll()
+    for fd in pidfds:
+        poller.register(fd, select.POLLIN)
+    return {fd for fd, _ in poller.poll(max(0, int(timeout_s * 1000)))}
 
 
 def _reap(w: _Worker, block: bool = False) -> bool:
@@ -495,7 +507,7 @@ class Engine:
         """Raise WorkerError if a worker died other than by retiring."""
         res = self._res
         alive = [w for w in res.workers if w.status is None]
-        ready, _, _ = select.select([w.pidfd for w in alive], [], [], 0) if alive else ([], [], [])
+        ready = _exited([w.pidfd for w in alive], 0) if alive else set()
         for w in alive:
             if w.pidfd not in ready:
                 continue

@@ -104,3 +104,27 @@ def test_abandoned_iteration_frees_its_slots():
         assert np.array_equal(np.concatenate(whole), np.arange(200))
         stats = loader.stats()
         assert stats["fallback_pipe"] == 0 and stats["no_free_slot"] == 0
+
+
+def test_dead_worker_detected_with_more_than_1024_fds_open():
+    """Worker pidfds numbered above FD_SETSIZE must still be watched (poll, not select)."""
+    import os
+    import signal
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
+    filler = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
+    try:
+        gate = multiprocessing.Event()
+        with mploader.DataLoader(Gated(gate), batch_size=1, num_workers=1, seed=0, timeout=30) as loader:
+            it = iter(loader)
+            (pid,) = loader.worker_pids()
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(mploader.WorkerError, match=str(pid)):
+                next(it)
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
