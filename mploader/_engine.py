@@ -324,12 +324,19 @@ class Engine:
             res.region = _ring.Region(self.num_slots, slot_bytes)
         live = []
         for w in res.workers:
-            # A worker that died while idle (e.g. its forking thread ended and
-            # PR_SET_PDEATHSIG fired) held no batch: replace it silently.
+            # A worker that died between runs (e.g. its forking thread ended and
+            # PR_SET_PDEATHSIG fired, or a batch of an abandoned run crashed it) owes
+            # nobody anything: replace it silently and free the slots it held.
             if w.status is None and not _reap(w):
                 live.append(w)
-            else:
-                os.close(w.pidfd)
+                continue
+            os.close(w.pidfd)
+            for t in w.outstanding:
+                if t.slot >= 0 and res.region.state(t.slot) in (_ring.STATE_ASSIGNED, _ring.STATE_READY):
+                    res.region.reclaim(t.slot)
+            dead = set(map(id, w.outstanding))
+            self._stale = [t for t in self._stale if id(t) not in dead]
+            w.outstanding.clear()
         res.workers = live
         while len([w for w in res.workers if not w.retiring]) < self.num_workers:
             res.workers.append(self._spawn())
@@ -365,10 +372,10 @@ class Engine:
         discarded (their slots freed as they complete) and its ``next()`` raises
         RuntimeError.  See :class:`Run` for the errors raised.
         """
-        self._start()
         previous = self._current()
         if previous is not None:
             previous._abandon()
+        self._start()
         run = Run(self, tasks)
         self._current = weakref.ref(run)  # weak: a run keeps its engine alive, not the reverse
         return run

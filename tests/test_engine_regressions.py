@@ -128,3 +128,40 @@ def test_dead_worker_detected_with_more_than_1024_fds_open():
         for fd in filler:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+class CrashOn:
+    """Sample ``bad`` kills its worker (os._exit) -- but only while ``armed`` is set."""
+
+    def __init__(self, bad, armed):
+        self.bad = bad
+        self.armed = armed
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if i == self.bad and self.armed.is_set():
+            import os
+            os._exit(7)
+        return np.full(2, i, np.int64)
+
+
+def test_worker_crashing_on_an_abandoned_batch_frees_its_slot():
+    """A worker that dies on a batch nobody waits for any more (its epoch was
+    abandoned) is replaced at the next epoch, and the slot it held is freed."""
+    armed = multiprocessing.Event()
+    armed.set()
+    with mploader.DataLoader(CrashOn(5, armed), batch_size=1, num_workers=1, prefetch=6, seed=0) as loader:
+        it = iter(loader)
+        next(it)          # batches 1..5 are in flight; batch 5 kills the worker
+        (pid,) = loader.worker_pids()
+        del it            # abandon the epoch
+        import os
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # the worker is dead (not reaped)
+        armed.clear()
+        got = [int(b[0, 0]) for b in loader]
+        assert got == list(range(64))
+        region = loader._engine._res.region
+        assert all(region.state(s) != _ring.STATE_ASSIGNED for s in range(region.nslots))
+        assert loader.stats()["no_free_slot"] == 0
