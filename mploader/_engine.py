@@ -79,8 +79,8 @@ def rebuild_error(record: dict) -> BaseException:
     the context (pid, batch, sample indices, the worker's traceback) is attached as
     a note (Python >= 3.11) and as the ``__cause__``.
     """
-    context = (f"raised in mploader worker pid {record['pid']} while loading batch {record['seq']}, "
-               f"sample indices {record['indices']!r}")
+    context = (f"raised in mploader worker pid {record['pid']} while {record.get('stage', 'loading')} "
+               f"batch {record['seq']}, sample indices {record['indices']!r}")
     exc = None
     if record["exc"] is not None:
         try:

@@ -67,6 +67,7 @@ def error_record(exc: BaseException, seq: int, indices: Any) -> dict:
         "indices": indices,
         "pid": os.getpid(),
         "seq": seq,
+        "stage": "loading",
     }
 
 
@@ -129,10 +130,23 @@ def _loop(ctx: WorkerContext) -> None:
             batch = error_record(exc, seq, indices)
             kind = _ring.KIND_ERROR
             exc = None
-        if writer is not None:
-            data = writer.finish(batch, kind)
-            if data is not None:
-                conn_send(PIPE_HEADER.pack(seq, kind) + data)
-        else:
-            conn_send(PIPE_HEADER.pack(seq, kind) + pickle.dumps(batch, protocol=5))
+        try:
+            _deliver(conn_send, writer, seq, kind, batch)
+        except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
+            # The batch cannot be serialised (a lambda, a generator, ...): report
+            # that to the parent as this batch's error instead of dying.
+            record = error_record(exc, seq, indices)
+            record["stage"] = "serialising (the batch could not be serialised)"
+            _deliver(conn_send, writer, seq, _ring.KIND_ERROR, record)
         del batch, writer, alloc
+
+
+def _deliver(conn_send: Callable[[bytes], None], writer: SlotWriter | None, seq: int, kind: int,
+             obj: Any) -> None:
+    """Publish ``obj`` in the writer's slot, or send it through the pipe."""
+    if writer is not None:
+        data = writer.finish(obj, kind)
+        if data is not None:
+            conn_send(PIPE_HEADER.pack(seq, kind) + data)
+    else:
+        conn_send(PIPE_HEADER.pack(seq, kind) + pickle.dumps(obj, protocol=5))

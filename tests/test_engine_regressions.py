@@ -165,3 +165,28 @@ def test_worker_crashing_on_an_abandoned_batch_frees_its_slot():
         region = loader._engine._res.region
         assert all(region.state(s) != _ring.STATE_ASSIGNED for s in range(region.nslots))
         assert loader.stats()["no_free_slot"] == 0
+
+
+class Unpicklable:
+    """Samples that carry a lambda: they cannot be pickled into the descriptor."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return {"x": np.full(2, i), "fn": (lambda: i) if i == 5 else None}
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_unserialisable_batch_is_an_error_not_a_dead_worker(num_workers):
+    """A batch the worker cannot pickle is re-raised in the parent for that batch
+    (naming the problem); the worker survives and the next batches arrive."""
+    with mploader.DataLoader(Unpicklable(), batch_size=2, num_workers=num_workers, seed=0,
+                             batchify_fn=lambda samples: samples) as loader:
+        it = iter(loader)
+        assert [int(s["x"][0]) for s in next(it)] == [0, 1]
+        assert [int(s["x"][0]) for s in next(it)] == [2, 3]
+        with pytest.raises(Exception, match="could not be serialised"):
+            next(it)
+        assert [int(s["x"][0]) for s in next(it)] == [6, 7]
+        assert loader.stats()["errors"] == 1
