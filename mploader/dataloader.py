@@ -349,7 +349,8 @@ class DataLoader:
         slot; ``fallback_inband`` through a slot with some leaves pickled in the
         descriptor (object arrays, arbitrary objects); ``fallback_pipe`` pickled through a
         worker's pipe; ``no_free_slot`` dispatched while every slot was held; ``grown``
-        batches for which a slot grew; ``errors`` re-raised worker exceptions;
+        batches for which a slot grew (with ``shared_mem=None`` slots start empty, so each
+        slot's first batch counts); ``errors`` re-raised worker exceptions;
         ``num_slots``; ``shm_bytes`` (bytes of shared memory the ring spans)."""
         if self._engine is None:
             return {"batches": 0, "slot": 0, "fallback_inband": 0, "fallback_pipe": 0, "no_free_slot": 0,
