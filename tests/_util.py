@@ -20,3 +20,20 @@ def arrays_in(obj):
     elif isinstance(obj, dict):
         for x in obj.values():
             yield from arrays_in(x)
+
+
+def assert_same(a, b):
+    """Batch ``a`` (from a loader) equals ``b`` (in-process reference): types, dtypes, shapes, values."""
+    if isinstance(b, np.ndarray):
+        assert isinstance(a, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    elif isinstance(b, (tuple, list)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(b, dict):
+        assert type(a) is dict and a.keys() == b.keys()
+        for k in b:
+            assert_same(a[k], b[k])
+    else:
+        assert a == b

@@ -21,7 +21,7 @@ import mploader
 from mploader import batchify as bf
 from mploader import dataloader as dl_module
 from mploader._ring import SlotLease
-from _util import lease_of, arrays_in
+from _util import lease_of, arrays_in, assert_same
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,23 +65,6 @@ def collect(loader, check=None):
         out.append(owned(b))
         del b
     return out
-
-
-def assert_same(a, b):
-    """Batch ``a`` (from a loader) equals ``b`` (in-process reference): types, dtypes, shapes, values."""
-    if isinstance(b, np.ndarray):
-        assert isinstance(a, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(a, b)
-    elif isinstance(b, (tuple, list)):
-        assert type(a) is type(b) and len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_same(x, y)
-    elif isinstance(b, dict):
-        assert type(a) is dict and a.keys() == b.keys()
-        for k in b:
-            assert_same(a[k], b[k])
-    else:
-        assert a == b
 
 
 # ---------------------------------------------------------------- last_batch

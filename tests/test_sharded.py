@@ -15,7 +15,7 @@ import pytest
 import mploader
 from mploader import batchify as bf
 from mploader._ring import SlotLease
-from _util import lease_of, arrays_in
+from _util import lease_of, arrays_in, assert_same
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -71,18 +71,6 @@ def owned(obj):
     if isinstance(obj, (tuple, list)):
         return type(obj)(owned(x) for x in obj)
     return obj
-
-
-def assert_same(a, b):
-    if isinstance(b, np.ndarray):
-        assert isinstance(a, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
-        np.testing.assert_array_equal(a, b)
-    elif isinstance(b, (tuple, list)):
-        assert type(a) is type(b) and len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_same(x, y)
-    else:
-        assert a == b
 
 
 def reference(batch_sampler, dataset, fn):
