@@ -1,25 +1,31 @@
-"""The ``mploader`` command line: ``mploader bench`` (also ``python -m mploader bench``).
+"""The ``mploader`` command line (also ``python -m mploader``).
 
-``mploader bench`` runs the images benchmark (an ImageNet-style training input
-pipeline on real photographs, :mod:`mploader._bench.images`) and/or the
-synthetic transport benchmark (:mod:`mploader._bench.transport`), prints a
-table per suite and writes JSON (and a PNG chart) to ``--out``.
+One sub-command, ``bench``: the benchmark harness, a separate package
+(``mploader_bench``, in the source tree's ``bench/``).  It is imported only when
+``mploader bench`` runs, so ``import mploader`` and ``mploader --help`` load
+nothing of it (nor torch, scikit-image or matplotlib).
 
-Exit status: 0 on success, 2 for a bad argument (one line on stderr naming the
-argument), 3 when transports delivered different batches, 1 for other errors.
+Exit status: 0 on success, 2 for a bad argument (one line on stderr naming it),
+1 when the harness is not installed or fails, 3 when transports delivered
+different batches (see ``mploader bench --help``).
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from typing import Any, NoReturn, Sequence
+from typing import NoReturn, Sequence
+
+from ._version import __version__
 
 __all__ = ["main", "build_parser"]
 
 PROG = "mploader"
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH = 0, 1, 2, 3
-DEFAULT_OUT = os.path.join("bench", "results")
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+#: Printed when ``mploader bench`` cannot import the harness.
+NOT_INSTALLED = (
+    "the benchmark harness (package mploader_bench) is not installed: in a source "
+    "checkout run `make bench`, or `pip install -c constraints.txt -e ./bench`")
 
 
 class UsageError(Exception):
@@ -33,192 +39,35 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
-def _positive_int(name: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a positive integer")
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be >= 1")
-        return value
-    parse.__name__ = name
-    return parse
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a non-negative integer")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be >= 0")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a number of seconds")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be a finite number > 0")
-    return value
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of the ``mploader`` command.
+    """The top-level parser of the ``mploader`` command (``--help``, ``--version``).
+
+    The ``bench`` sub-command's own arguments belong to the harness
+    (``mploader_bench.cli.build_parser``): :func:`main` hands everything after
+    ``bench`` to it.
 
     Returns
     -------
     argparse.ArgumentParser
-        With one sub-command, ``bench``.
     """
-    from ._bench import images
-
     parser = _Parser(prog=PROG, description="mploader: shared-memory ring data loader.")
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    b = sub.add_parser(
-        "bench", help="benchmark mploader against pickle transport and PyTorch",
-        description=("Benchmark an image-training input pipeline on real photographs "
-                     "(suite 'images') and/or synthetic batches (suite 'transport') across "
-                     "transports: mploader (shared-memory ring), pickle (multiprocessing.Pool), "
-                     "torch (torch.utils.data.DataLoader), inline (no worker). Prints a table, "
-                     "writes JSON and a PNG chart to --out."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    b.add_argument("--data", metavar="DIR", default=None,
-                   help="ImageFolder (one subfolder per class of JPEG/PNG files); default: "
-                        "photographs from scikit-image, built once into the cache directory")
-    b.add_argument("--format", default="jpeg,raw", metavar="jpeg|raw",
-                   help="image format(s), comma-separated: jpeg (decode each file) and/or raw "
-                        "(pre-decoded 256x256x3 uint8 .npy)")
-    b.add_argument("--suite", default="images", choices=("images", "transport", "all"),
-                   help="which benchmark to run")
-    b.add_argument("--workers", type=_positive_int("workers"), default=_cpu_count(),
-                   metavar="N", help="worker processes per transport (default: CPU count)")
-    b.add_argument("--batch-size", type=_positive_int("batch size"), default=256, metavar="B",
-                   help="images per batch")
-    g = b.add_mutually_exclusive_group()
-    g.add_argument("--batches", type=_positive_int("batches"), default=None, metavar="N",
-                   help="batches per timed run (default: from --seconds)")
-    g.add_argument("--seconds", type=_positive_float, default=None, metavar="S",
-                   help=f"target seconds per timed run (default {images.DEFAULT_SECONDS:g} for "
-                        f"images, the transport suite's own default otherwise)")
-    b.add_argument("--repeats", type=_positive_int("repeats"), default=images.DEFAULT_REPEATS,
-                   metavar="R", help="repetitions; each runs every transport once, same order")
-    b.add_argument("--transports", default=None, metavar="LIST",
-                   help="comma-separated transports (default: mploader,pickle,torch,inline, "
-                        "those available)")
-    b.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
-                   help="directory for the JSON report and PNG chart")
-    b.add_argument("--seed", type=_nonneg_int, default=0, help="seed of batch order and augmentation")
-    b.add_argument("--cache-dir", default=None, metavar="DIR",
-                   help="where generated data is kept (default: $MPLOADER_CACHE_DIR, else "
-                        "~/.cache/mploader)")
-    b.add_argument("--images", type=_positive_int("images"), default=None, metavar="N",
-                   help="number of images of the default data (default 2000)")
-    b.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    sub.add_parser("bench", add_help=False,
+                   help="benchmark mploader against pickle transport and PyTorch "
+                        "(`mploader bench --help` for its options)")
     return parser
 
 
-def _split(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
-
-
-def _resolve(args: argparse.Namespace) -> dict[str, Any]:
-    """Validate the bench arguments beyond argparse; raise UsageError naming the argument."""
-    from ._bench import data, images
-
-    formats = _split(args.format)
-    if args.format.strip() == "all":
-        formats = list(images.FORMATS)
-    bad = [f for f in formats if f not in images.FORMATS]
-    if not formats or bad:
-        raise UsageError(f"argument --format: invalid value {args.format!r}: expected jpeg, raw "
-                         f"or jpeg,raw")
-    formats = [f for f in images.FORMATS if f in formats]
-
-    folder = None
-    if args.data is not None and args.suite in ("images", "all"):
-        try:
-            folder = data.scan_imagefolder(args.data, what="folder")
-        except data.DataError as exc:
-            raise UsageError(f"argument --data: {exc}") from None
-    if args.images is not None and args.data is not None:
-        raise UsageError("argument --images: only applies to the default data, not with --data")
-    out = os.path.abspath(args.out)
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"argument --out: {args.out!r} exists and is not a directory")
-    if args.cache_dir is not None:
-        cd = os.path.abspath(os.path.expanduser(args.cache_dir))
-        if os.path.exists(cd) and not os.path.isdir(cd):
-            raise UsageError(f"argument --cache-dir: {args.cache_dir!r} exists and is not a "
-                             f"directory")
-    from ._bench import peers
-
-    if args.transports is None:
-        available = peers.available_transports()
-        transports = [t for t in images.IMAGE_TRANSPORTS if t in available]
-    else:
-        transports = list(dict.fromkeys(_split(args.transports)))
-        if not transports:
-            raise UsageError(f"argument --transports: invalid value {args.transports!r}: "
-                             f"expected a comma-separated list of {', '.join(peers.TRANSPORTS)}")
-        for t in transports:
-            if t not in peers.TRANSPORTS:
-                raise UsageError(f"argument --transports: unknown transport {t!r}: expected "
-                                 f"some of {', '.join(peers.TRANSPORTS)}")
-            if t == "torch" and "torch" not in peers.available_transports():
-                raise UsageError(f"argument --transports: transport {t!r} is not available here "
-                                 f"(is torch installed? pip install 'mploader[bench]')")
-
-    return {"formats": formats, "transports": transports, "folder": folder, "out": out}
-
-
-def _bench(args: argparse.Namespace) -> int:
-    r = _resolve(args)
-    from ._bench import data, images
-
-    console = images._console()
-    progress = not args.no_progress
-    status = EXIT_OK
-    if args.suite in ("images", "all"):
-        cfg = images.ImagesConfig(
-            data=r["folder"].root if r["folder"] is not None else None,
-            formats=r["formats"], transports=r["transports"], workers=args.workers,
-            batch_size=args.batch_size, batches=args.batches,
-            seconds=args.seconds if args.seconds is not None else images.DEFAULT_SECONDS,
-            repeats=args.repeats, seed=args.seed,
-            cache_dir=os.path.abspath(os.path.expanduser(args.cache_dir)) if args.cache_dir else None,
-            count=args.images if args.images is not None else data.DEFAULT_COUNT,
-            progress=progress)
-        try:
-            images.run(cfg, console=console, out_dir=r["out"])
-        except images.VerificationError as exc:
-            print(f"{PROG} bench: error: {exc}", file=sys.stderr)
-            return EXIT_MISMATCH
-        except data.DataError as exc:
-            print(f"{PROG} bench: error: {exc}", file=sys.stderr)
-            return EXIT_ERROR
-    if args.suite in ("transport", "all"):
-        from ._bench import transport
-
-        kw: dict[str, Any] = {}
-        if args.seconds is not None:
-            kw["seconds"] = args.seconds
-        names = r["transports"] if args.transports is not None else None
-        report = transport.run(workers=args.workers, repeats=args.repeats, transports=names,
-                               out_dir=r["out"], console=console, seed=args.seed, **kw)
-        if report.get("errors"):
-            status = EXIT_ERROR
-    return status
+def _bench(argv: list[str]) -> int:
+    try:
+        from mploader_bench import cli as bench_cli
+    except ModuleNotFoundError as exc:
+        if exc.name not in ("mploader_bench", "mploader_bench.cli"):
+            raise
+        print(f"{PROG} bench: error: {NOT_INSTALLED}", file=sys.stderr)
+        return EXIT_ERROR
+    return int(bench_cli.main(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -232,25 +81,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     Returns
     -------
     int
-        Exit status: 0 success, 1 error, 2 bad argument, 3 batches differ.
+        Exit status: 0 success, 1 error, 2 bad argument, 3 batches differ
+        (``bench`` only).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        return _bench(argv[1:])
+    parser = build_parser()
     try:
-        parser = build_parser()
         try:
             args = parser.parse_args(argv)
         except SystemExit as exc:  # --help / --version
             return int(exc.code or 0)
-        if args.command is None:
-            parser.print_help()
-            return EXIT_USAGE
-        if args.command == "bench":
-            return _bench(args)
-        raise UsageError(f"unknown command {args.command!r}")  # pragma: no cover
     except UsageError as exc:
-        print(f"{PROG} bench: error: {exc}" if argv[:1] == ["bench"] else f"{PROG}: error: {exc}",
-              file=sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+    if args.command is None:
+        parser.print_help()
+        return EXIT_USAGE
+    raise AssertionError(f"unhandled command {args.command!r}")  # pragma: no cover

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 PIL = pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
-from mploader._bench import data, pipeline  # noqa: E402
-from mploader._bench.images import batch_checksum, consume, make_batches  # noqa: E402
+from mploader_bench import data, pipeline  # noqa: E402
+from mploader_bench.images import batch_checksum, consume, make_batches  # noqa: E402
 
 
 def _sources(n: int = 3, seed: int = 0) -> list[np.ndarray]:
@@ -364,7 +364,7 @@ def test_make_batches_prefix_and_passes():
 def test_batch_checksum_crc32_fallback(monkeypatch):
     import zlib
 
-    from mploader._bench import images
+    from mploader_bench import images
 
     x = np.arange(4 * 224 * 224 * 3, dtype=np.uint64).astype(np.uint8).reshape(4, 224, 224, 3)
     y = np.arange(4, dtype=np.int64)

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from mploader._bench import peers
+from mploader_bench import peers
 
 psutil = pytest.importorskip("psutil")
 
@@ -173,7 +173,7 @@ def test_transport_suite_smoke(tmp_path):
     """The benchmark runs end to end and writes its JSON (structure only, no timing)."""
     import json
 
-    from mploader._bench import transport
+    from mploader_bench import transport
 
     report = transport.run(workers=1, repeats=2, seconds=0.01, sizes=("tiny",),
                            transports=("pickle", "inline", "collate-limit"),
@@ -192,7 +192,7 @@ def test_transport_suite_smoke(tmp_path):
 
 @pytest.mark.parametrize("dataset_cls", [TinyDataset, ScalarFirstDataset])
 def test_collate_limit_matches_inline(dataset_cls):
-    from mploader._bench.transport import CollateLimit
+    from mploader_bench.transport import CollateLimit
 
     ds = dataset_cls()
     batches = [[i % len(ds) for i in b] for b in EPOCH_A]

@@ -11,7 +11,7 @@ small     256         ``(uint8 (32, 32, 3), np.int64)``     788,480
 large     256         ``(uint8 (224, 224, 3), np.int64)``   38,537,216
 ========  ==========  ===================================  ===============
 
-The transports are those of :mod:`mploader._bench.peers` (``mploader``,
+The transports are those of :mod:`mploader_bench.peers` (``mploader``,
 ``pickle``, ``queue``, ``torch`` when installed; ``inline`` on request), all
 with the same number of workers, plus ``collate-limit``: the calling process
 alone stacks each batch's samples with :func:`numpy.stack` into a pre-allocated,
@@ -169,7 +169,7 @@ def _describe_sample(size: str) -> str:
 class CollateLimit:
     """Single-process :func:`numpy.stack` into pre-allocated, pre-faulted buffers.
 
-    Same ``epoch``/``close`` interface as :class:`mploader._bench.peers.Transport`,
+    Same ``epoch``/``close`` interface as :class:`mploader_bench.peers.Transport`,
     so it runs in the same loop.  The batch size and sample structure are taken
     from the first batch; the output buffers are written once up front, so no
     page fault is counted.
@@ -523,7 +523,7 @@ def run(*, workers: int = 2, repeats: int = 5, seconds: float = DEFAULT_SECONDS,
         Target duration of one timed run, in seconds (the batch count per run is
         fixed per transport from its warm-up rate, at least 10 batches).
     transports : sequence of str, optional
-        Names from :data:`mploader._bench.peers.TRANSPORTS` and/or
+        Names from :data:`mploader_bench.peers.TRANSPORTS` and/or
         ``"collate-limit"``.  Default: mploader, pickle, queue, torch (if
         importable) and collate-limit.
     sizes : sequence of str, optional

@@ -122,7 +122,7 @@ def skimage_photos() -> list[tuple[str, str]]:
         import skimage
     except ImportError as exc:
         raise DataError("the default data is built from scikit-image's photographs, "
-                        "but scikit-image is not installed: pip install 'mploader[bench]' "
+                        "but scikit-image is not installed: `make bench` installs it, "
                         "or pass --data DIR") from exc
     from PIL import Image
 

@@ -1,7 +1,7 @@
 """The images benchmark: an ImageNet-style training input pipeline on real photographs.
 
-Every transport of :mod:`mploader._bench.peers` (``mploader``, ``pickle``,
-``torch``, ``inline``) runs the same datasets of :mod:`mploader._bench.pipeline`
+Every transport of :mod:`mploader_bench.peers` (``mploader``, ``pickle``,
+``torch``, ``inline``) runs the same datasets of :mod:`mploader_bench.pipeline`
 over the same batches, with the same number of workers:
 
 ``jpeg``
@@ -135,7 +135,7 @@ class ImagesConfig:
     formats : list of str
         Subset of :data:`FORMATS`.
     transports : list of str
-        Names from :data:`mploader._bench.peers.TRANSPORTS`.
+        Names from :data:`mploader_bench.peers.TRANSPORTS`.
     workers : int
         Worker processes of every multi-process transport, >= 1.
     batch_size : int
@@ -149,7 +149,7 @@ class ImagesConfig:
     seed : int
         Seed of the batch order, the augmentation and the default data.
     cache_dir : str or None
-        Cache directory (default :func:`mploader._bench.data.default_cache_dir`).
+        Cache directory (default :func:`mploader_bench.data.default_cache_dir`).
     count : int
         Number of images of the default data.
     prefetch : int or None
@@ -639,7 +639,7 @@ def run(cfg: ImagesConfig, *, console: Any = None, out_dir: str | os.PathLike | 
 
     Raises
     ------
-    mploader._bench.data.DataError
+    mploader_bench.data.DataError
         If the data cannot be built or read.
     VerificationError
         If any batch differs between transports or repetitions (after the JSON
