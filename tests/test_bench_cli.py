@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("PIL")
 pytest.importorskip("mploader_bench")
-from PIL import Image  # noqa: E402
+from PIL import Image
 
-from mploader import cli  # noqa: E402
+from mploader import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -157,18 +157,8 @@ def _tiny_argv(tmp_path, transports):
             str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
 
 
-def _engine_transports() -> str:
-    try:
-        import mploader
-
-        mploader.DataLoader  # noqa: B018
-    except Exception:
-        return "pickle,inline"
-    return "mploader,pickle,inline"
-
-
 def test_tiny_bench_end_to_end(tmp_path, capsys):
-    transports = _engine_transports()
+    transports = "mploader,pickle,inline"
     code, out, err = _run(_tiny_argv(tmp_path, transports), capsys)
     assert code == 0, err
     assert "images/s" in out and "jpeg" in out and "raw" in out
@@ -181,7 +171,7 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
         fr = report["formats"][fmt]
         assert list(fr["transports"]) == transports.split(",")
         assert fr["verification"]["batches_checked"] == 2
-        for name, rec in fr["transports"].items():
+        for rec in fr["transports"].values():
             run = rec["runs"][0]
             assert run["images"] == 6 and run["images_per_s"] > 0 and run["wall_s"] > 0
             assert 0 <= run["wait_pct"] <= 100

@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, NoReturn, Sequence
+from collections.abc import Sequence
+from typing import Any, NoReturn
 
 __all__ = ["main", "build_parser"]
 
@@ -40,7 +41,7 @@ def _positive_int(name: str):
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a positive integer")
+            raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a positive integer") from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be >= 1")
         return value
@@ -52,7 +53,7 @@ def _nonneg_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a non-negative integer")
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a non-negative integer") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be >= 0")
     return value
@@ -62,7 +63,7 @@ def _positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a number of seconds")
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a number of seconds") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"invalid value {text!r}: must be a finite number > 0")
     return value
@@ -178,7 +179,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
                                  f"some of {', '.join(peers.TRANSPORTS)}")
             if t == "torch" and "torch" not in peers.available_transports():
                 raise UsageError(f"argument --transports: transport {t!r} is not available here "
-                                 f"(is torch installed? `make bench` or pip install -c constraints.txt -e ./bench installs it)")
+                                 f"(is torch installed? `make bench` installs it)")
 
     return {"formats": formats, "transports": transports, "folder": folder, "out": out}
 

@@ -27,8 +27,9 @@ import math
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -278,7 +279,7 @@ def build_imagefolder(root: str, *, count: int = DEFAULT_COUNT, classes: int = D
         for c in range(classes):
             os.mkdir(os.path.join(tmp, _class_name(c)))
         jobs = [(k, os.path.join(tmp, _class_name(c), f"{k:05d}.jpg"), seed,
-                 tuple(short_side), quality)
+                 (short_side[0], short_side[1]), quality)
                 for k, (c, _) in enumerate(_plan(count, classes))]
         workers = workers if workers is not None else (os.cpu_count() or 1)
         _build_sources = arrays

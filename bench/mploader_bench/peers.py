@@ -47,7 +47,8 @@ import multiprocessing
 import os
 import queue as _queue_mod
 import time
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -127,7 +128,7 @@ class _SwappableBatches:
     """
 
     def __init__(self, batches: Sequence[Sequence[int]] = ()) -> None:
-        self.batches = list(batches)
+        self.batches: Sequence[Sequence[int]] = list(batches)
 
     def __iter__(self) -> Iterator[Sequence[int]]:
         return iter(self.batches)
@@ -194,7 +195,7 @@ class Transport:
     def _close(self) -> None:
         pass
 
-    def __enter__(self) -> "Transport":
+    def __enter__(self) -> Transport:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -203,7 +204,7 @@ class Transport:
     def __del__(self) -> None:  # best effort; close() is the way
         try:
             self.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - nowhere to report it from __del__
             pass
 
     def __repr__(self) -> str:
@@ -228,7 +229,7 @@ class _MPLoader(Transport):
         import mploader
 
         self._sampler = _SwappableBatches()
-        self._loader = mploader.DataLoader(
+        self._loader: Any = mploader.DataLoader(  # None once closed
             dataset, batch_sampler=self._sampler, num_workers=self.workers,
             seed=self.seed, prefetch=self.prefetch)
 
@@ -265,7 +266,8 @@ class _Pickle(Transport):
 
     def __init__(self, dataset: Any, **kw: Any) -> None:
         super().__init__(dataset, **kw)
-        self._pool = _FORK.Pool(max(1, self.workers), initializer=_pool_init,
+        self._pool: Any = _FORK.Pool(  # None once closed
+           max(1, self.workers), initializer=_pool_init,
                                 initargs=(dataset,))
         self._inflight = self.prefetch if self.prefetch else 2 * max(1, self.workers)
 
@@ -303,7 +305,7 @@ def _queue_worker(dataset: Any, tasks: Any, results: Any) -> None:
         epoch, seq, indices = task
         try:
             batch = _fetch_collate(dataset, indices)
-        except Exception as exc:  # sent back and raised in the parent
+        except Exception as exc:  # noqa: BLE001 - sent back and raised in the parent
             results.put((epoch, seq, None, exc))
         else:
             results.put((epoch, seq, batch, None))
@@ -403,7 +405,7 @@ class _Torch(Transport):
                          multiprocessing_context="fork")
         else:
             extra = {}
-        self._loader = torch.utils.data.DataLoader(
+        self._loader: Any = torch.utils.data.DataLoader(  # None once closed
             dataset, batch_sampler=self._sampler, num_workers=self.workers, **extra)
 
     def _epoch(self, batches: list[list[int]]) -> Iterator[Any]:
@@ -430,7 +432,7 @@ _CLASSES = {c.name: c for c in (_MPLoader, _Pickle, _Queue, _Torch, _Inline)}
 def _torch_importable() -> bool:
     try:
         import torch.utils.data  # noqa: F401
-    except Exception:
+    except Exception:  # noqa: BLE001 - a broken torch install (OSError, RuntimeError) too
         return False
     return True
 

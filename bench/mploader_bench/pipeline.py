@@ -24,7 +24,8 @@ same bytes for the same index.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -132,14 +133,8 @@ def decoder_info() -> dict:
     import PIL
     from PIL import features
 
-    try:
-        libjpeg = features.version("jpg")
-    except Exception:  # pragma: no cover - very old Pillow
-        libjpeg = None
-    try:
-        turbo = bool(features.check_feature("libjpeg_turbo"))
-    except Exception:  # pragma: no cover
-        turbo = False
+    libjpeg = features.version("jpg")  # None when built without JPEG support
+    turbo = bool(features.check_feature("libjpeg_turbo"))  # both exist since Pillow 9
     return {"decoder": "Pillow", "version": PIL.__version__, "libjpeg": libjpeg,
             "libjpeg_turbo": turbo}
 

@@ -15,8 +15,9 @@ The transports are those of :mod:`mploader_bench.peers` (``mploader``,
 ``pickle``, ``queue``, ``torch`` when installed; ``inline`` on request), all
 with the same number of workers, plus ``collate-limit``: the calling process
 alone stacks each batch's samples with :func:`numpy.stack` into a pre-allocated,
-pre-faulted output buffer (labels, being numbers, are assigned element-wise).  That is the physical reference: the single-core
-cost of the one copy that any loader has to make.
+pre-faulted output buffer (labels, being numbers, are assigned element-wise).
+That is the physical reference: the single-core cost of the one copy that any
+loader has to make.
 
 Method
 ------
@@ -48,8 +49,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -235,7 +237,7 @@ class CollateLimit:
     def close(self) -> None:
         """Nothing to stop; present for the common interface."""
 
-    def __enter__(self) -> "CollateLimit":
+    def __enter__(self) -> CollateLimit:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -262,7 +264,7 @@ def _mem_total_bytes() -> int | None:
         import psutil
 
         return int(psutil.virtual_memory().total)
-    except Exception:
+    except ImportError:
         pass
     try:
         with open("/proc/meminfo") as f:
@@ -301,7 +303,7 @@ def cpu_busy_percent(interval: float = 1.0) -> float | None:
         import psutil
 
         return float(psutil.cpu_percent(interval=interval))
-    except Exception:
+    except ImportError:
         pass
 
     def sample() -> tuple[int, int]:
@@ -350,7 +352,7 @@ def machine_info(with_torch: bool = True) -> dict[str, Any]:
         import psutil
 
         info["physical_cores"] = psutil.cpu_count(logical=False)
-    except Exception:
+    except ImportError:
         pass
     if with_torch:
         try:
@@ -358,13 +360,13 @@ def machine_info(with_torch: bool = True) -> dict[str, Any]:
 
             info["torch"] = torch.__version__
             info["torch_threads"] = torch.get_num_threads()
-        except Exception:
+        except Exception:  # noqa: BLE001 - no torch, or a broken one: the field stays out
             pass
     try:
         import mploader
 
         info["mploader"] = getattr(mploader, "__version__", "unknown")
-    except Exception:
+    except ImportError:
         pass
     return info
 
@@ -400,12 +402,14 @@ def _children_cpu() -> tuple[list, float]:
 
 
 def _cpu_of(procs: list) -> float:
+    import psutil
+
     total = 0.0
     for p in procs:
         try:
             t = p.cpu_times()
             total += t.user + t.system
-        except Exception:  # exited meanwhile
+        except psutil.Error:  # exited meanwhile
             pass
     return total
 
@@ -422,15 +426,11 @@ def _time_epoch(t: Any, batches: list[list[int]], *, workers_cpu: bool = False
         only when `workers_cpu` is true.
     """
     kids, k0 = _children_cpu() if workers_cpu else ([], 0.0)
-    count = 0
-    b = None
     c0 = time.process_time()
     t0 = time.perf_counter()
-    for b in t.epoch(batches):
-        count += 1
+    count = sum(1 for _ in t.epoch(batches))  # holds no batch past its turn
     t1 = time.perf_counter()
     c1 = time.process_time()
-    b = None
     wcpu = _cpu_of(kids) - k0 if workers_cpu else None
     if wcpu is not None and math.isnan(wcpu):
         wcpu = None
@@ -469,7 +469,7 @@ class _Out:
                 console = Console()
                 if not console.is_terminal:  # piped: don't squeeze the table into 80 columns
                     console = Console(width=120)
-            except Exception:
+            except ImportError:
                 console = None
         self.console = console
 
@@ -634,7 +634,7 @@ def _run_size(size: str, names: list[str], report: dict, out: _Out, *, workers: 
         for name in names:
             try:
                 live[name] = stack.enter_context(_open(name, ds, workers, bs, seed))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - reported; the others still run
                 errors[name] = f"open: {type(exc).__name__}: {exc}"
                 out.line(f"[{size}] {name}: cannot open ({errors[name]})")
         for name, t in list(live.items()):
@@ -657,7 +657,7 @@ def _run_size(size: str, names: list[str], report: dict, out: _Out, *, workers: 
                 if not quiet:
                     out.line(f"[{size}] {name}: warm, ~{_fmt_rate(rate)} batches/s, "
                              f"{counts[name]} batches per run")
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - reported; the others still run
                 errors[name] = f"warm-up: {type(exc).__name__}: {exc}"
                 out.line(f"[{size}] {name}: failed in warm-up ({errors[name]})")
                 live.pop(name).close()
@@ -668,7 +668,7 @@ def _run_size(size: str, names: list[str], report: dict, out: _Out, *, workers: 
                 gc.collect()
                 try:
                     wall, cpu, n, wcpu = _time_epoch(t, batches.take(counts[name]), workers_cpu=True)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - reported; the others still run
                     errors[name] = f"repeat {rep}: {type(exc).__name__}: {exc}"
                     out.line(f"[{size}] {name}: failed ({errors[name]})")
                     live.pop(name).close()
