@@ -1,12 +1,22 @@
-"""The default batchify: stack samples into caller-provided memory.
+"""Default collation: stack samples into caller-provided memory.
 
-One function serves both the in-process reference (``alloc=np.empty``) and the
+Each function serves both the in-process reference (``alloc=np.empty``) and the
 worker, whose ``alloc`` hands out views into the slot payload: the output's shape
 and dtype are computed from the samples first, then each sample is written once,
 straight into its place (docs/design.md, "Collate into the slot").
+
+Two rules live here:
+
+* :func:`collate_gluon` -- MXNet Gluon's ``default_batchify_fn``: only tuples are
+  structure; everything else becomes one array, as ``np.asarray`` makes it.  The
+  Gluon and GluonNLP faces use it by default; :func:`default_batchify` is its
+  in-process form.
+* :func:`collate_nested` -- stack arrays and numbers, recursing into tuples, lists,
+  dicts and namedtuples (mploader 0.1's default; ``mploader.batchify.Nested``).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -16,7 +26,6 @@ import numpy as np
 Alloc = Callable[[tuple, np.dtype], np.ndarray]
 
 _NUMBER_TYPES = (bool, int, float, complex, np.number, np.bool_)
-_NDARRAY_ONLY = {np.ndarray}
 
 
 def _heap_alloc(shape: tuple, dtype: Any) -> np.ndarray:
@@ -24,8 +33,58 @@ def _heap_alloc(shape: tuple, dtype: Any) -> np.ndarray:
     return np.empty(shape, dtype)
 
 
-def collate(samples: Sequence[Any], alloc: Alloc = _heap_alloc) -> Any:
-    """Batch ``samples`` like :func:`default_batchify`, writing arrays via ``alloc``.
+@functools.lru_cache(maxsize=256)
+def _asarray_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype ``np.asarray`` gives a list of arrays of ``dtype`` (native byte order:
+    ``np.asarray([a, b])`` of two '>i4' arrays is 'int32')."""
+    return np.asarray([np.empty(0, dtype)]).dtype
+
+
+def _uniform_arrays(samples: Sequence[Any]) -> bool:
+    """Whether ``samples`` are plain ndarrays of one shape and one non-object dtype."""
+    first = samples[0]
+    if type(first) is not np.ndarray or first.dtype.hasobject:
+        return False
+    shape, dtype = first.shape, first.dtype
+    return all(type(s) is np.ndarray and s.shape == shape and s.dtype == dtype for s in samples)
+
+
+def _stack_into(samples: Sequence[np.ndarray], dtype: np.dtype, alloc: Alloc) -> np.ndarray:
+    """Uniform arrays (see :func:`_uniform_arrays`) -> one (B, \\*shape) array of
+    ``dtype`` from ``alloc``, each sample written once."""
+    shape = samples[0].shape
+    out = alloc((len(samples),) + shape, dtype)
+    if out.size == 0:
+        pass
+    elif shape:
+        # One C call: sample i lands at out[i] (equal shapes checked by the caller).
+        rows = (len(samples) * shape[0],) + shape[1:]
+        np.concatenate(samples, axis=0, out=out.reshape(rows), casting="equiv")
+    else:
+        for i, s in enumerate(samples):
+            out[i] = s
+    return out
+
+
+def _asarray_into(samples: Sequence[Any], alloc: Alloc) -> Any:
+    """``np.asarray(samples)`` written through ``alloc``; the list of the samples when
+    NumPy cannot make a non-object array of them (ragged, mixed, arbitrary objects)."""
+    if _uniform_arrays(samples):
+        return _stack_into(samples, _asarray_dtype(samples[0].dtype), alloc)
+    try:
+        arr = np.asarray(samples)
+    except (ValueError, TypeError, OverflowError):
+        return list(samples)
+    if arr.dtype.hasobject:
+        return list(samples)
+    out = alloc(arr.shape, arr.dtype)
+    out[...] = arr
+    return out
+
+
+def collate_gluon(samples: Sequence[Any], alloc: Alloc = _heap_alloc) -> Any:
+    """Batch ``samples`` by Gluon's rule (see :func:`default_batchify`), writing the
+    arrays through ``alloc``.
 
     Parameters
     ----------
@@ -33,29 +92,58 @@ def collate(samples: Sequence[Any], alloc: Alloc = _heap_alloc) -> Any:
         The B samples of one batch, as ``dataset[i]`` returned them.
     alloc : callable ``(shape, dtype) -> ndarray``
         Returns a writable, uninitialised, C-contiguous array; called once per
-        stacked output array.
+        output array.
+    """
+    if isinstance(samples[0], tuple):
+        try:
+            columns = list(zip(*samples))
+        except TypeError:  # a later sample is not iterable: Gluon's zip raises here
+            return list(samples)
+        return [collate_gluon(column, alloc) for column in columns]
+    return _asarray_into(samples, alloc)
 
-    Returns
-    -------
-    The batch; see :func:`default_batchify`.
+
+def default_batchify(samples: Sequence[Any]) -> Any:
+    """Collate a list of samples into a batch, as MXNet Gluon's ``default_batchify_fn``.
+
+    The rule of ``mxnet.gluon.data.dataloader.default_batchify_fn`` (MXNet 1.x),
+    with NumPy arrays where Gluon made ``NDArray``:
+
+    * if the first sample is a tuple (namedtuples included), the samples are
+      zipped field by field (``zip``: the shortest sample sets the number of
+      fields) and each field is batched by this rule; the result is a **list**
+      (a namedtuple's type is not kept);
+    * anything else becomes ``np.asarray(samples)``: B arrays of shape S give one
+      array of shape (B, \\*S) (NumPy's dtype for them: byte order made native,
+      promotion across samples), B numbers give shape (B,) (int -> int64, float ->
+      float64, bool -> bool, NumPy scalars keep their dtype), B lists of numbers
+      give (B, L), strings give a fixed-width string array.
+
+    Where Gluon raises -- NumPy cannot build a non-object array (ragged shapes,
+    ``None``, dicts, arbitrary objects) -- the batch is the list of the B samples
+    unchanged (docs/faces.md, "Gluon DataLoader").  Never raises for unusual samples.
+    A worker computes exactly this, but writes the arrays straight into a slot.
+    """
+    return collate_gluon(samples, _heap_alloc)
+
+
+def collate_nested(samples: Sequence[Any], alloc: Alloc = _heap_alloc) -> Any:
+    """Stack ``samples`` recursing into every container, writing arrays via ``alloc``.
+
+    * ndarrays of one shape and dtype -> ndarray of shape (B, \\*sample_shape),
+      same dtype (0-d and zero-size samples included);
+    * Python or NumPy numbers -> 1-D ndarray of shape (B,) with NumPy's dtype for
+      them (bool -> bool, int -> int64, float -> float64, complex -> complex128);
+    * tuple or list -> list of the batched fields; namedtuple -> the same
+      namedtuple type; dict -> dict with the same keys, in the first sample's order;
+    * anything else, and any leaf that cannot be stacked (ragged shapes, mixed
+      types, object dtype, str, None) -> the list of the B leaves unchanged.
     """
     first = samples[0]
     if isinstance(first, np.ndarray):
-        dtype, shape = first.dtype, first.shape
-        if (dtype.hasobject or set(map(type, samples)) != _NDARRAY_ONLY
-                or {s.shape for s in samples} != {shape} or {s.dtype for s in samples} != {dtype}):
+        if not _uniform_arrays(samples):
             return list(samples)
-        out = alloc((len(samples),) + shape, dtype)
-        if out.size == 0:
-            pass
-        elif shape:
-            # One C call: sample i lands at out[i] (equal shapes checked above).
-            rows = (len(samples) * shape[0],) + shape[1:]
-            np.concatenate(samples, axis=0, out=out.reshape(rows), casting="no")
-        else:
-            for i, s in enumerate(samples):
-                out[i] = s
-        return out
+        return _stack_into(samples, first.dtype, alloc)
     if isinstance(first, _NUMBER_TYPES):
         if not all(issubclass(t, _NUMBER_TYPES) and not issubclass(t, np.ndarray)
                    for t in set(map(type, samples))):
@@ -72,37 +160,15 @@ def collate(samples: Sequence[Any], alloc: Alloc = _heap_alloc) -> Any:
     if isinstance(first, dict):
         keys = first.keys()
         if all(isinstance(s, dict) and s.keys() == keys for s in samples):
-            return {k: collate([s[k] for s in samples], alloc) for k in first}
+            return {k: collate_nested([s[k] for s in samples], alloc) for k in first}
         return list(samples)
     if isinstance(first, (tuple, list)):
         n = len(first)
         kind = type(first)
         if n == 0 or set(map(type, samples)) != {kind} or set(map(len, samples)) != {n}:
             return list(samples)
-        columns = [collate(list(col), alloc) for col in zip(*samples)]
+        columns = [collate_nested(list(col), alloc) for col in zip(*samples)]
         if isinstance(first, tuple) and hasattr(first, "_fields"):
             return kind(*columns)
         return columns
     return list(samples)
-
-
-def default_batchify(samples: Sequence[Any]) -> Any:
-    """Collate a list of samples into a batch (the in-process reference).
-
-    As ``mxnet.gluon.data.batchify.Stack`` / Gluon's ``default_batchify_fn``,
-    generalised to nested structures:
-
-    * ndarrays of one shape and dtype -> ndarray of shape (B, \\*sample_shape),
-      same dtype (0-d and zero-size samples included);
-    * Python or NumPy numbers -> 1-D ndarray of shape (B,) with NumPy's dtype for
-      them (bool -> bool, int -> int64, float -> float64, complex -> complex128);
-    * tuple or list -> list of the batched fields (a tuple becomes a list, as
-      Gluon); namedtuple -> the same namedtuple type; dict -> dict with the same
-      keys, in the first sample's order;
-    * anything else, and any leaf that cannot be stacked (ragged shapes, mixed
-      types, object dtype, str, None) -> the list of the B leaves unchanged.
-
-    Never raises for unusual samples: what cannot be stacked is passed through.
-    A worker computes exactly this, but writes the arrays straight into a slot.
-    """
-    return collate(samples, _heap_alloc)

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from ._collate import Alloc, _heap_alloc
+from ._collate import Alloc, _heap_alloc, collate_nested
 
 __all__ = [
     "Batchify",
@@ -49,6 +49,7 @@ __all__ = [
     "Dict",
     "NamedTuple",
     "List",
+    "Nested",
     "collate",
 ]
 
@@ -667,3 +668,32 @@ class List(Batchify):
     def __repr__(self) -> str:
         return "List()"
 
+
+
+class Nested(Batchify):
+    """Stack arrays and numbers, recursing into tuples, lists, dicts and namedtuples.
+
+    An mploader extension (mploader 0.1's default batchify, kept for datasets whose
+    samples are dicts or nested containers; Gluon's default treats only tuples as
+    structure).  For B samples of one structure:
+
+    * ndarrays of one shape and dtype -> ndarray of shape (B, \\*sample_shape), same
+      dtype (byte order kept);
+    * Python or NumPy numbers -> ndarray of shape (B,) with NumPy's dtype for them;
+    * tuple or list -> list of the batched fields; namedtuple -> the same namedtuple
+      type; dict -> dict with the first sample's keys, in its order;
+    * anything that cannot be stacked (ragged shapes, mixed types, object dtype,
+      strings, None) -> the list of the B leaves unchanged.  Never raises.
+
+    Examples
+    --------
+    >>> batch = Nested()([{"x": np.zeros(2), "y": 1}, {"x": np.ones(2), "y": 2}])
+    >>> batch["x"].shape, batch["y"].tolist()
+    ((2, 2), [1, 2])
+    """
+
+    def collate(self, samples: Sequence[Any], alloc: Alloc) -> Any:
+        return collate_nested(samples, alloc)
+
+    def __repr__(self) -> str:
+        return "Nested()"

@@ -1,184 +1,48 @@
 """``mploader.DataLoader``: MXNet Gluon's DataLoader on the slot ring."""
 from __future__ import annotations
 
-import ctypes
-import numbers
-import warnings
+import inspect
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
-import numpy as np
-
-from . import _engine
-from ._collate import collate
+from . import _engine, _pinning
+from ._collate import Alloc, collate_gluon
+from ._options import LoaderOptions, check_callable, check_choice, check_dataset, check_int
+from .batchify import collate
 from .sampler import BatchSampler, RandomSampler, SequentialSampler
 
 _LAST_BATCH = ("keep", "discard", "rollover")
+#: Whether the engine notifies region growth (contract: ``Engine(on_grow=...)``); until
+#: it does, the face asks the pinner to look at the region after each batch.
+_ENGINE_ON_GROW = "on_grow" in inspect.signature(_engine.Engine).parameters
 
 
-def make_fetch(batchify_fn: Callable | None, sharded: bool = False) -> Callable:
-    """``fetch(dataset, indices, alloc)`` for one batch of indices.
+class BatchifyFetch:
+    """``fetch(dataset, indices, alloc)`` of the Gluon face: one batch of indices.
 
-    Batchify functions with a ``collate(samples, alloc)`` method (the default, and
-    those of :mod:`mploader.batchify`) write straight into ``alloc``'s arrays; any
-    other callable is called as ``batchify_fn(samples)`` and its arrays are copied
-    into the slot once.
-
-    With ``sharded`` (GluonNLP's ShardedDataLoader), a batch whose first element is a
-    list or tuple is a list of shards: the result is the list of the shards'
-    batchified results, all built by the same call (one worker, one slot).
-    """
-    if batchify_fn is None:
-        into = collate
-    elif hasattr(batchify_fn, "collate"):
-        into = batchify_fn.collate
-    else:
-        def into(samples, alloc):
-            return batchify_fn(samples)
-
-    def one(dataset, indices, alloc):
-        return into([dataset[i] for i in indices], alloc)
-    if not sharded:
-        return one
-
-    def fetch(dataset, indices, alloc):
-        if len(indices) and isinstance(indices[0], (list, tuple)):
-            return [one(dataset, shard, alloc) for shard in indices]
-        return one(dataset, indices, alloc)
-    return fetch
-
-
-def check_dataset(dataset: Any, needs_len: bool) -> None:
-    if not hasattr(dataset, "__getitem__") or (needs_len and not hasattr(dataset, "__len__")):
-        raise TypeError(f"dataset must support __getitem__{' and __len__' if needs_len else ''}, "
-                        f"got {type(dataset).__name__}")
-
-
-def check_nonneg_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-    return int(value)
-
-
-#: cudaHostRegisterPortable: the registration counts for every CUDA context.
-_CUDA_HOST_REGISTER_PORTABLE = 1
-#: madvise(2) advice that undoes MADV_DONTFORK (include/uapi/asm-generic/mman-common.h).
-_MADV_DOFORK = 11
-
-
-def cuda_runtime(device_id: int) -> tuple[Any, Callable[[], Any]] | None:
-    """torch's CUDA runtime bindings and a context manager factory selecting
-    ``device_id``, when torch with a usable CUDA device is installed; else None."""
-    try:
-        import torch
-    except ImportError:
-        return None
-    try:
-        if not torch.cuda.is_available():
-            return None
-        return torch.cuda.cudart(), lambda: torch.cuda.device(device_id)
-    except Exception:  # noqa: BLE001 - a broken CUDA setup means: do not pin
-        return None
-
-
-def _madvise_dofork(address: int, nbytes: int) -> None:
-    """Make sure workers forked later still inherit a registered range (some drivers
-    mark page-locked memory MADV_DONTFORK; the region is MAP_SHARED, so inheriting
-    it is safe)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_DOFORK)
-    except Exception:  # noqa: BLE001 - best effort
-        pass
-
-
-class HostPinner:
-    """Page-locks an engine's shared region for CUDA, so batch views are pinned memory.
-
-    The region's file grows inside a fixed address reservation (docs/design.md,
-    "Growth"), so :meth:`update` registers (``cudaHostRegister``, portable) only the
-    part of the file not registered yet; called after each batch arrives, it makes
-    every byte a returned batch views page-locked, at the cost of one registration
-    per growth of the region.  :meth:`release` unregisters every range.  The pinner
-    holds the ``Region`` object, so the mapping cannot disappear before
-    :meth:`release` has run.  Ranges a slot grew out of stay registered (and hence
-    resident) until then.
-
-    Parameters
-    ----------
-    cudart : object
-        ``torch.cuda.cudart()``: ``cudaHostRegister(ptr, nbytes, flags)`` and
-        ``cudaHostUnregister(ptr)``, each returning a cudaError (0 on success).
-    device : callable
-        Returns a context manager that selects the pinning device.
-    resources : object
-        The engine's resources; ``resources.region`` is the Region once started.
+    Batchify functions with a ``collate(samples, alloc)`` method (the default, which
+    is Gluon's ``default_batchify_fn`` rule, and those of :mod:`mploader.batchify`)
+    write straight into ``alloc``'s arrays; any other callable is called as
+    ``batchify_fn(samples)`` and its arrays are copied into the slot once.
     """
 
-    def __init__(self, cudart: Any, device: Callable[[], Any], resources: Any) -> None:
-        self._cudart = cudart
-        self._device = device
-        self._resources = resources
-        self._region: Any = None
-        self._registered_bytes = 0
-        self._ranges: list[int] = []
-        self._failed = False
+    __slots__ = ("batchify_fn",)
 
-    @property
-    def ranges(self) -> list[int]:
-        """Start addresses of the registered ranges."""
-        return list(self._ranges)
+    def __init__(self, batchify_fn: Callable | None) -> None:
+        self.batchify_fn = batchify_fn
 
-    def update(self) -> None:
-        """Register the region's bytes that are not registered yet (none: no-op)."""
-        if self._failed:
-            return
-        region = self._region
-        if region is None:
-            region = self._resources.region
-            if region is None:
-                return
-            self._region = region
-        end = region.file_bytes
-        start = self._registered_bytes
-        if end <= start:
-            return
-        address = region.address + start
-        with self._device():
-            rc = self._cudart.cudaHostRegister(address, end - start, _CUDA_HOST_REGISTER_PORTABLE)
-        code = int(getattr(rc, "value", rc))
-        if code != 0:
-            self._failed = True
-            warnings.warn(f"pin_memory: cudaHostRegister of {end - start} bytes of the shared region failed "
-                          f"(cudaError {code}); batches are returned in unpinned memory", RuntimeWarning,
-                          stacklevel=3)
-            return
-        _madvise_dofork(address, end - start)
-        self._ranges.append(address)
-        self._registered_bytes = end
+    def collate(self, samples: Sequence[Any], alloc: Alloc) -> Any:
+        if self.batchify_fn is None:
+            return collate_gluon(samples, alloc)
+        return collate(self.batchify_fn, samples, alloc)
 
-    def release(self) -> None:
-        """Unregister every range and let go of the region.  Idempotent."""
-        ranges, self._ranges = self._ranges, []
-        for address in ranges:
-            try:
-                with self._device():
-                    self._cudart.cudaHostUnregister(address)
-            except Exception:  # noqa: BLE001 - at exit CUDA may already be gone
-                pass
-        self._region = None
-        self._failed = True
+    def __call__(self, dataset: Any, indices: Sequence[Any], alloc: Alloc) -> Any:
+        return self.collate([dataset[i] for i in indices], alloc)
 
 
-def draw_seed(seed: int | None) -> int:
-    """The loader's base seed: ``seed``, or one draw from NumPy's global RNG (so
-    ``np.random.seed`` makes loaders reproducible, as torch's loader does with
-    ``torch.manual_seed``)."""
-    if seed is None:
-        return int(np.random.randint(0, 2**63 - 1, dtype=np.int64))
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise TypeError(f"seed must be an int or None, got {seed!r}")
-    return int(seed)
+def make_fetch(batchify_fn: Callable | None = None) -> BatchifyFetch:
+    """The Gluon face's ``fetch`` for ``batchify_fn`` (None: Gluon's default rule)."""
+    return BatchifyFetch(batchify_fn)
 
 
 class DataLoader:
@@ -213,8 +77,10 @@ class DataLoader:
     batch_sampler : Sampler, optional
         Yields lists of indices.  Not with batch_size, shuffle, sampler, last_batch.
     batchify_fn : callable, optional
-        ``batchify_fn(samples) -> batch``.  Default: :func:`mploader.default_batchify`
-        (stacks arrays and numbers, recursing into tuples, lists, dicts).
+        ``batchify_fn(samples) -> batch``.  Default: :func:`mploader.default_batchify`,
+        Gluon's ``default_batchify_fn`` rule (tuples are batched field by field into a
+        list; anything else becomes ``np.asarray(samples)``), written straight into the
+        slot.  ``mploader.batchify.Nested()`` also recurses into lists and dicts.
     num_workers : int
         Worker processes; 0 loads in the calling process.
     pin_memory : bool
@@ -229,7 +95,9 @@ class DataLoader:
         CUDA device whose context registers the region; the registration is
         portable, i.e. pinned for every device.
     prefetch : int, optional
-        Batches in flight (default ``2 * num_workers``).
+        Batches in flight (default ``2 * num_workers``); at least 1 with workers (Gluon
+        returned no batch at all with 0) and at most
+        ``mploader._options.MAX_PREFETCH`` (the ring's slot limit minus 3).
     thread_pool : bool
         Use ``num_workers`` threads instead of processes (no shared memory).
     timeout : float
@@ -241,27 +109,30 @@ class DataLoader:
         "use the Python pipeline" (Gluon's behaviour when the compilation is not
         possible, except that ``True`` does not raise).
     shared_mem : int, optional
-        Payload bytes per slot; None sizes slots from the first batch with 25 %
-        headroom.  Batches that do not fit make the slot grow.
+        Payload bytes per slot, at most ``mploader._options.MAX_SLOT_BYTES``; None
+        sizes slots from the first batch with 25 % headroom.  Batches that do not fit
+        make the slot grow.
     copy : bool
         Return owned arrays instead of views into shared memory.
     seed : int, optional
         Base seed.  Before each batch the worker seeds ``random``, NumPy's global RNG
         and torch's (if imported) from (seed, epoch, batch index), so an epoch's
-        batches are the same for any ``num_workers``.  None draws one from NumPy's
-        global RNG.
+        batches are the same for any ``num_workers``.  None: the rule of every face,
+        :func:`mploader._options.default_seed` (read from NumPy's global random state
+        without advancing it, so ``np.random.seed`` makes runs reproducible).
 
     Raises
     ------
     TypeError
-        ``dataset`` lacks ``__getitem__``/``__len__``; ``seed`` not an int.
+        An argument has the wrong type: ``dataset`` lacks ``__getitem__``/``__len__``,
+        ``batchify_fn`` is not callable, an integer argument is not an integer.
     ValueError
-        An argument is out of range or conflicts with another (the message names it).
+        An argument is out of range or conflicts with another (the message names the
+        argument, its value and the limit).
     """
 
-    #: Whether batches of shards (lists of index lists) are batchified per shard
-    #: (GluonNLP's ShardedDataLoader).
-    _sharded = False
+    #: The ``fetch`` class (GluonNLP's ShardedDataLoader replaces it).
+    _fetch_class: type = BatchifyFetch
 
     def __init__(self, dataset: Any, batch_size: int | None = None, shuffle: bool = False, sampler: Any = None,
                  last_batch: str | None = None, batch_sampler: Any = None, batchify_fn: Callable | None = None,
@@ -270,18 +141,20 @@ class DataLoader:
                  try_nopython: bool | None = None, *, shared_mem: int | None = None, copy: bool = False,
                  seed: int | None = None) -> None:
         check_dataset(dataset, needs_len=batch_sampler is None)
-        self._seed = draw_seed(seed)
+        check_callable("batchify_fn", batchify_fn, none_ok=True)
+        self._options = options = LoaderOptions(
+            num_workers=num_workers, prefetch=prefetch, shared_mem=shared_mem, timeout_s=timeout, seed=seed,
+            copy=copy, thread_pool=thread_pool, arg_names={"timeout_s": "timeout"})
         self._shuffler: RandomSampler | None = None
         if batch_sampler is None:
             if batch_size is None:
                 raise ValueError("batch_size must be specified unless batch_sampler is specified")
-            if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size <= 0:
-                raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-            if last_batch is not None and last_batch not in _LAST_BATCH:
-                raise ValueError(f"last_batch must be one of 'keep', 'discard', 'rollover', got {last_batch!r}")
+            batch_size = check_int("batch_size", batch_size, minimum=1)
+            if last_batch is not None:
+                check_choice("last_batch", last_batch, _LAST_BATCH)
             if sampler is None:
                 if shuffle:
-                    sampler = self._shuffler = RandomSampler(len(dataset), seed=self._seed)
+                    sampler = self._shuffler = RandomSampler(len(dataset), seed=options.seed)
                 else:
                     sampler = SequentialSampler(len(dataset))
             elif shuffle:
@@ -293,32 +166,22 @@ class DataLoader:
                              f"sampler={sampler!r}, last_batch={last_batch!r}")
         self._dataset = dataset
         self._batch_sampler = batch_sampler
-        self._num_workers = check_nonneg_int("num_workers", num_workers)
-        if prefetch is not None:
-            check_nonneg_int("prefetch", prefetch)
-        self._prefetch = int(prefetch) if prefetch is not None else 2 * self._num_workers
-        if shared_mem is not None:
-            check_nonneg_int("shared_mem", shared_mem)
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
-                                    or timeout < 0):
-            raise ValueError(f"timeout must be a non-negative number of seconds or None, got {timeout!r}")
-        self._timeout = float(timeout) if timeout else None
-        self._thread_pool = bool(thread_pool)
+        self._pin_device_id = check_int("pin_device_id", pin_device_id, minimum=0)
         self._pin_memory = bool(pin_memory)
-        self._pin_device_id = pin_device_id
-        self._copy = bool(copy)
         self._try_nopython = try_nopython
-        self._fetch = make_fetch(batchify_fn, sharded=self._sharded)
+        self._fetch = self._fetch_class(batchify_fn)
         self._epoch = 0
         self._engine: _engine.Engine | None = None
-        self._pinner: HostPinner | None = None
-        if self._num_workers > 0 and not self._thread_pool:
-            self._engine = _engine.Engine(dataset, self._fetch, num_workers=self._num_workers,
-                                          prefetch=self._prefetch, shared_mem=shared_mem,
-                                          timeout_s=self._timeout, seed=self._seed, copy=self._copy)
-            runtime = cuda_runtime(pin_device_id) if self._pin_memory and not self._copy else None
+        self._pinner: _pinning.HostPinner | None = None
+        if options.num_workers > 0 and not options.thread_pool:
+            runtime = _pinning.cuda_runtime(self._pin_device_id) if self._pin_memory and not options.copy else None
+            extra: dict = {}
             if runtime is not None:
-                self._pinner = HostPinner(runtime[0], runtime[1], self._engine._res)
+                self._pinner = _pinning.HostPinner(*runtime)
+                if _ENGINE_ON_GROW:
+                    extra["on_grow"] = self._pinner.on_grow
+            self._engine = _engine.Engine(dataset, self._fetch, **options.engine_kwargs(), **extra)
+            if self._pinner is not None:
                 weakref.finalize(self._engine, self._pinner.release)
 
     def __len__(self) -> int:
@@ -335,14 +198,16 @@ class DataLoader:
         epoch = self._epoch
         self._epoch += 1
         tasks = self._tasks(epoch)
+        options = self._options
         if self._engine is not None:
             gen = self._engine.run(tasks)
-        elif self._thread_pool and self._num_workers > 0:
-            gen = _engine.ThreadRun(self._dataset, self._fetch, tasks, self._num_workers, self._prefetch,
-                                    self._timeout)
+        elif options.thread_pool and options.num_workers > 0:
+            gen = _engine.ThreadRun(self._dataset, self._fetch, tasks, options.num_workers, options.prefetch,
+                                    options.timeout_s)
         else:
-            gen = _engine.InlineRun(self._dataset, self._fetch, tasks, self._seed)
-        return _LoaderIter(gen, len(self), self._engine, self._pinner)
+            gen = _engine.InlineRun(self._dataset, self._fetch, tasks, options.seed)
+        polled = self._pinner if not _ENGINE_ON_GROW else None
+        return _LoaderIter(gen, len(self), self._engine, polled)
 
     def stats(self) -> dict:
         """Transport counters (ints): ``batches`` delivered; ``slot`` zero-copy through a
@@ -378,19 +243,23 @@ class DataLoader:
 class _LoaderIter:
     """One epoch of a :class:`DataLoader`; keeps the engine alive on its own."""
 
-    def __init__(self, gen: Iterator[Any], length: int, engine: Any, pinner: HostPinner | None = None) -> None:
+    def __init__(self, gen: Iterator[Any], length: int, engine: Any,
+                 polled: _pinning.HostPinner | None = None) -> None:
         self._gen = gen
         self._len = length
         self._engine = engine
-        self._pinner = pinner
+        # Until the engine notifies growth (on_grow), the pinner looks after each batch.
+        self._polled = polled
 
     def __iter__(self) -> "_LoaderIter":
         return self
 
     def __next__(self) -> Any:
         batch = next(self._gen)
-        if self._pinner is not None:
-            self._pinner.update()
+        if self._polled is not None:
+            engine = self._engine
+            region = engine.region if hasattr(engine, "region") else engine._res.region
+            self._polled.on_grow(region)
         return batch
 
     next = __next__

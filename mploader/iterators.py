@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import numbers
 import os
+import queue
 import threading
 import warnings
 import weakref
@@ -26,6 +26,12 @@ from typing import Any, Callable, Iterator, NamedTuple
 import numpy as np
 
 from . import _engine
+from ._options import MAX_SLOT_BYTES, LoaderOptions, check_callable, check_dataset, check_int
+
+try:  # the redesigned engine (issue 8) rebuilds worker errors in _errors
+    from ._errors import WorkerTraceback as _WorkerTraceback  # type: ignore[import-not-found]
+except ImportError:
+    from ._engine import _WorkerTraceback
 
 __all__ = ["MultiprocessIterator", "OrderSampler", "ShuffleOrderSampler"]
 
@@ -34,6 +40,12 @@ __all__ = ["MultiprocessIterator", "OrderSampler", "ShuffleOrderSampler"]
 _ENGINE_STACKLEVEL = 6
 #: The same for the in-process path (_warn_stalled <- _InlineRun.__next__ <- __next__ <- caller).
 _INLINE_STACKLEVEL = 4
+#: Slot bytes per example beyond ``shared_mem`` (64-byte alignment, the example's
+#: entry in the pickled layout), and per slot (the rest of the layout).
+_EXAMPLE_LAYOUT_BYTES = 128
+_SLOT_LAYOUT_BYTES = 4096
+#: The engine options under Chainer's argument names, for messages.
+_CHAINER_NAMES = {"num_workers": "n_processes", "prefetch": "n_prefetch", "slow_after_s": "dataset_timeout"}
 
 
 class OrderSampler:
@@ -180,19 +192,66 @@ def _on_slow(seq: int, waited_s: float) -> None:
     _warn_stalled(waited_s, _ENGINE_STACKLEVEL)
 
 
+def _serve(requests: queue.SimpleQueue) -> None:
+    """The loop of an :class:`_InlineLoader` thread: run each request, until None."""
+    while True:
+        item = requests.get()
+        if item is None:
+            return
+        fn, future = item
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            future.set_exception(exc)
+        del item, fn, future
+
+
+class _InlineLoader:
+    """One long-lived daemon thread that loads the in-process batches of one iterator.
+
+    Started at the first request and reused for every later batch and run; it holds
+    only its request queue, so it never keeps the iterator alive.  :meth:`close` lets
+    it end after the request it is running (a daemon thread: a dataset stuck forever
+    cannot block interpreter exit).
+    """
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=_serve, args=(self._requests,),
+                                            name="mploader-chainer-inline", daemon=True)
+            self._thread.start()
+        self._requests.put((fn, future))
+        return future
+
+    def close(self) -> None:
+        """Let the thread end once its current request is done.  Idempotent."""
+        if self._thread is not None:
+            self._requests.put(None)
+            self._thread = None
+
+
 class _InlineRun:
     """``n_processes=0``: load each batch in this process when asked for.
 
-    With a ``dataset_timeout``, a helper thread loads the batch while this one
-    watches the clock (as Chainer does for its first, measuring batch), so the
-    TimeoutWarning is issued from ``next()``.  ``consumed`` tells whether the last
-    call used up a task (a batch returned or the dataset's exception raised; an
-    interruption such as KeyboardInterrupt leaves the batch owed).
+    With a ``dataset_timeout``, the iterator's :class:`_InlineLoader` thread loads the
+    batch while this one watches the clock (as Chainer does for its first, measuring
+    batch), so the TimeoutWarning is issued from ``next()``.  ``consumed`` tells
+    whether the last call used up a task (a batch returned or the dataset's exception
+    raised; an interruption such as KeyboardInterrupt leaves the batch owed).
     """
 
-    def __init__(self, dataset: Any, tasks: Iterator[tuple], seed: int, timeout_s: float | None) -> None:
+    def __init__(self, dataset: Any, tasks: Iterator[tuple], seed: int, timeout_s: float | None,
+                 loader: _InlineLoader | None) -> None:
         self._inline = _engine.InlineRun(dataset, _fetch_examples, tasks, seed)
         self._timeout_s = timeout_s
+        self._loader = loader
         self.consumed = False
 
     def __iter__(self) -> "_InlineRun":
@@ -200,7 +259,7 @@ class _InlineRun:
 
     def __next__(self) -> list:
         self.consumed = False
-        if self._timeout_s is None:
+        if self._timeout_s is None or self._loader is None:
             try:
                 batch = next(self._inline)
             except StopIteration:
@@ -210,26 +269,16 @@ class _InlineRun:
                 raise
             self.consumed = True
             return batch
-        outcome: dict = {}
-
-        def load() -> None:
-            try:
-                outcome["batch"] = next(self._inline)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                outcome["error"] = exc
-
-        thread = threading.Thread(target=load, name="mploader-chainer-inline", daemon=True)
-        thread.start()
-        thread.join(self._timeout_s)
-        if thread.is_alive():
+        future = self._loader.submit(self._inline.__next__)
+        done, _ = concurrent.futures.wait([future], self._timeout_s)
+        if not done:
             _warn_stalled(self._timeout_s, _INLINE_STACKLEVEL)
-            thread.join()
-        error = outcome.pop("error", None)
+        error = future.exception()
         if error is not None:
             self.consumed = isinstance(error, Exception) and not isinstance(error, StopIteration)
             raise error
         self.consumed = True
-        return outcome.pop("batch")
+        return future.result()
 
 
 class _Run:
@@ -251,16 +300,7 @@ class _Run:
         """
         if isinstance(self.batches, _InlineRun):
             return self.batches.consumed
-        return hasattr(exc, "mploader_indices")
-
-
-def _check_int(name: str, value: Any, minimum: int, none_ok: bool = False) -> int | None:
-    if value is None and none_ok:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        bound = {0: "a non-negative integer", 1: "a positive integer"}[minimum]
-        raise ValueError(f"{name} must be {bound}{' or None' if none_ok else ''}, got {value!r}")
-    return int(value)
+        return isinstance(exc.__cause__, _WorkerTraceback)
 
 
 class MultiprocessIterator:
@@ -296,9 +336,11 @@ class MultiprocessIterator:
         Worker processes; None uses ``os.cpu_count()``.  0 loads in the calling
         process (an mploader extension: Chainer treats 0 like None).
     n_prefetch : int
-        Batches requested ahead of the caller (at least 1).  Because each worker
-        builds whole batches, ``max(n_prefetch, n_processes)`` batches are in
-        flight so that every worker is busy.
+        Batches requested ahead of the caller: at least 1 with workers (0 is a
+        ValueError, not raised silently to 1), at most 4093 (the ring's slot limit
+        minus 3).  Because each worker builds whole batches,
+        ``max(n_prefetch, n_processes)`` batches are in flight so that every worker
+        is busy.
     shared_mem : int or None
         Bytes of shared memory per example; a slot holds ``batch_size`` of them
         plus room for the batch's layout.  None sizes slots from the first batch.
@@ -322,16 +364,19 @@ class MultiprocessIterator:
         Before each batch the worker seeds ``random``, NumPy's global RNG and
         torch's (if imported) from (seed, epoch, position of the batch's first
         example), so random augmentation is reproducible and independent of
-        ``n_processes``.  None draws a seed from the OS; the global NumPy state that
-        ``ShuffleOrderSampler`` uses is not touched.
+        ``n_processes``.  None: the rule of every face,
+        :func:`mploader._options.default_seed` (read from NumPy's global random state
+        without advancing it: ``np.random.seed`` makes it reproducible, and the
+        stream ``ShuffleOrderSampler`` draws its orders from is Chainer's).
 
     Raises
     ------
     ValueError
         An argument is out of range, or ``shuffle`` and ``order_sampler`` are both
-        given (the message names them).
+        given (the message names the argument, its value and the limit).
     TypeError
-        ``dataset`` lacks ``__getitem__``/``__len__``.
+        An argument has the wrong type: ``dataset`` lacks ``__getitem__``/``__len__``,
+        ``order_sampler`` is not callable, an integer argument is not an integer.
 
     Notes
     -----
@@ -349,21 +394,16 @@ class MultiprocessIterator:
                  n_processes: int | None = None, n_prefetch: int = 1, shared_mem: int | None = None,
                  order_sampler: Callable | None = None, dataset_timeout: float | None = 30.0,
                  maxtasksperchild: int | None = None, *, seed: int | None = None) -> None:
-        if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
-            raise TypeError(f"dataset must support __getitem__ and __len__, got {type(dataset).__name__}")
-        batch_size = _check_int("batch_size", batch_size, 1)
+        check_dataset(dataset)
+        batch_size = check_int("batch_size", batch_size, minimum=1)
         if n_processes is None:
             n_processes = os.cpu_count() or 1
-        n_processes = _check_int("n_processes", n_processes, 0)
-        if isinstance(n_prefetch, bool) or not isinstance(n_prefetch, numbers.Integral):
-            raise ValueError(f"n_prefetch must be an integer, got {n_prefetch!r}")
-        shared_mem = _check_int("shared_mem", shared_mem, 0, none_ok=True)
-        if dataset_timeout is not None and (isinstance(dataset_timeout, bool)
-                                            or not isinstance(dataset_timeout, numbers.Real)
-                                            or dataset_timeout < 0):
-            raise ValueError(f"dataset_timeout must be a non-negative number of seconds or None, "
-                             f"got {dataset_timeout!r}")
-        maxtasksperchild = _check_int("maxtasksperchild", maxtasksperchild, 1, none_ok=True)
+        # a slot holds batch_size examples of shared_mem bytes, plus room for the layout
+        check_int("shared_mem", shared_mem, minimum=0, none_ok=True,
+                  maximum=(MAX_SLOT_BYTES - _SLOT_LAYOUT_BYTES) // batch_size - _EXAMPLE_LAYOUT_BYTES,
+                  why_max=f" bytes per example with batch_size={batch_size} (a slot holds at most "
+                          f"{MAX_SLOT_BYTES} bytes)")
+        check_callable("order_sampler", order_sampler, none_ok=True)
         if shuffle is not None:
             if order_sampler is not None:
                 raise ValueError(f"shuffle must be None when an order_sampler is given, got shuffle={shuffle!r} "
@@ -372,35 +412,38 @@ class MultiprocessIterator:
                 order_sampler = ShuffleOrderSampler()
         elif order_sampler is None:
             order_sampler = ShuffleOrderSampler()
-        if order_sampler is not None and not callable(order_sampler):
-            raise ValueError(f"order_sampler must be callable, got {order_sampler!r}")
-        if seed is None:
-            seed = int.from_bytes(os.urandom(8), "little") >> 1
-        elif isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-            raise TypeError(f"seed must be an int or None, got {seed!r}")
         self._configure(dataset=dataset, batch_size=batch_size, repeat=bool(repeat), shuffle=shuffle,
-                        n_processes=n_processes, n_prefetch=max(int(n_prefetch), 1), shared_mem=shared_mem,
+                        n_processes=n_processes, n_prefetch=n_prefetch, shared_mem=shared_mem,
                         order_sampler=order_sampler, dataset_timeout=dataset_timeout,
-                        maxtasksperchild=maxtasksperchild, seed=int(seed))
+                        maxtasksperchild=maxtasksperchild, seed=seed)
         self.reset()
 
     def _configure(self, *, dataset: Any, batch_size: int, repeat: bool, shuffle: bool | None,
                    n_processes: int, n_prefetch: int, shared_mem: int | None, order_sampler: Callable | None,
-                   dataset_timeout: float | None, maxtasksperchild: int | None, seed: int) -> None:
-        """Set the construction parameters (validated) and the machinery, not the state."""
+                   dataset_timeout: float | None, maxtasksperchild: int | None, seed: int | None) -> None:
+        """Validate the engine options, set the construction parameters and the
+        machinery; not the state."""
+        slot_bytes = None
+        if shared_mem is not None:
+            slot_bytes = batch_size * (int(shared_mem) + _EXAMPLE_LAYOUT_BYTES) + _SLOT_LAYOUT_BYTES
+        self._options = options = LoaderOptions(
+            num_workers=n_processes, prefetch=n_prefetch, shared_mem=slot_bytes, seed=seed,
+            maxtasksperchild=maxtasksperchild, slow_after_s=dataset_timeout, busy_workers=True,
+            arg_names=_CHAINER_NAMES)
         self.dataset = dataset
         self.batch_size = batch_size
         self.repeat = repeat
         self.shuffle = shuffle
-        self.n_processes = n_processes
-        self.n_prefetch = n_prefetch
-        self.shared_mem = shared_mem
+        self.n_processes = options.num_workers
+        self.n_prefetch = options.prefetch
+        self.shared_mem = None if shared_mem is None else int(shared_mem)
         self.order_sampler = order_sampler
-        self.dataset_timeout = dataset_timeout
-        self.maxtasksperchild = maxtasksperchild
-        self._seed = seed
+        self.dataset_timeout = options.slow_after_s
+        self.maxtasksperchild = options.maxtasksperchild
+        self._seed = options.seed
         self._lock = threading.Lock()
         self._engine: _engine.Engine | None = None
+        self._inline_loader: _InlineLoader | None = None
         self._run: _Run | None = None
         self._finalized = False
         self._state = _State(0, 0, False, None)
@@ -481,21 +524,20 @@ class MultiprocessIterator:
         tasks = _plan(self._state, self.batch_size, self.repeat, self.order_sampler, len(self.dataset),
                       states, failure)
         if self.n_processes == 0:
-            batches: Any = _InlineRun(self.dataset, tasks, self._seed, self.dataset_timeout)
+            loader = None
+            if self.dataset_timeout is not None:
+                if self._inline_loader is None:
+                    self._inline_loader = _InlineLoader()
+                    weakref.finalize(self, self._inline_loader.close)
+                loader = self._inline_loader
+            batches: Any = _InlineRun(self.dataset, tasks, self._seed, self.dataset_timeout, loader)
         else:
             with self._lock:
                 if self._finalized:
                     raise RuntimeError("this MultiprocessIterator was finalized")
                 if self._engine is None:
-                    slot_bytes = None
-                    if self.shared_mem is not None:
-                        # per-example bytes, plus alignment and the pickled layout of the list
-                        slot_bytes = self.batch_size * (self.shared_mem + 128) + 4096
-                    self._engine = _engine.Engine(
-                        self.dataset, _fetch_examples, num_workers=self.n_processes,
-                        prefetch=max(self.n_prefetch, self.n_processes), shared_mem=slot_bytes, timeout_s=None,
-                        seed=self._seed, maxtasksperchild=self.maxtasksperchild, on_slow=_on_slow,
-                        slow_after_s=self.dataset_timeout)
+                    self._engine = _engine.Engine(self.dataset, _fetch_examples, on_slow=_on_slow,
+                                                  **self._options.engine_kwargs())
                     # The engine and its current run refer to each other; stop the
                     # workers as soon as this iterator is gone, not at the next cyclic GC.
                     weakref.finalize(self, self._engine.close)
@@ -563,8 +605,11 @@ class MultiprocessIterator:
                 return
             self._finalized = True
             engine, self._engine = self._engine, None
+            loader, self._inline_loader = self._inline_loader, None
         if engine is not None:
             engine.close()
+        if loader is not None:
+            loader.close()
         self._run = None
 
     def __enter__(self) -> "MultiprocessIterator":

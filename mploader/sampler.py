@@ -16,11 +16,12 @@ any other use of NumPy's global random state.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+
+from ._options import check_callable, check_choice, check_int
 
 __all__ = [
     "Sampler",
@@ -33,31 +34,6 @@ __all__ = [
 
 _LAST_BATCH_CHOICES = ("keep", "discard", "rollover")
 
-
-def _check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
-    """Return ``value`` as an int, or raise naming the argument.
-
-    Accepts Python and NumPy integers; rejects ``bool`` and everything else.
-
-    Raises
-    ------
-    TypeError
-        If ``value`` is not an integer.
-    ValueError
-        If ``minimum`` is given and ``value < minimum``.
-    """
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got {value!r} (bool)")
-    try:
-        as_int = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"{name} must be an int, got {value!r} ({type(value).__name__})"
-        ) from None
-    if minimum is not None and as_int < minimum:
-        bound = {0: "non-negative", 1: "positive"}.get(minimum, f">= {minimum}")
-        raise ValueError(f"{name} must be {bound}, got {as_int}")
-    return as_int
 
 
 class Sampler:
@@ -110,8 +86,8 @@ class SequentialSampler(Sampler):
     """
 
     def __init__(self, length: int, start: int = 0) -> None:
-        self._length = _check_int("length", length, minimum=0)
-        self._start = _check_int("start", start)
+        self._length = check_int("length", length, minimum=0)
+        self._start = check_int("start", start)
 
     def __iter__(self) -> Iterator[int]:
         return iter(range(self._start, self._start + self._length))
@@ -169,8 +145,8 @@ class RandomSampler(Sampler):
     """
 
     def __init__(self, length: int, seed: int | None = None) -> None:
-        self._length = _check_int("length", length, minimum=0)
-        self._seed = None if seed is None else _check_int("seed", seed, minimum=0)
+        self._length = check_int("length", length, minimum=0)
+        self._seed = check_int("seed", seed, minimum=0, none_ok=True)
         self._epoch = 0
 
     @property
@@ -201,7 +177,7 @@ class RandomSampler(Sampler):
         ValueError
             If ``epoch`` is negative.
         """
-        self._epoch = _check_int("epoch", epoch, minimum=0)
+        self._epoch = check_int("epoch", epoch, minimum=0)
 
     def __iter__(self) -> Iterator[int]:
         epoch = self._epoch
@@ -279,12 +255,8 @@ class BatchSampler(Sampler):
     def __init__(
         self, sampler: Any, batch_size: int, last_batch: str = "keep"
     ) -> None:
-        self._batch_size = _check_int("batch_size", batch_size, minimum=1)
-        if not isinstance(last_batch, str) or last_batch not in _LAST_BATCH_CHOICES:
-            raise ValueError(
-                "last_batch must be one of 'keep', 'discard', 'rollover', "
-                f"got {last_batch!r}"
-            )
+        self._batch_size = check_int("batch_size", batch_size, minimum=1)
+        check_choice("last_batch", last_batch, _LAST_BATCH_CHOICES)
         self._sampler = sampler
         self._last_batch = last_batch
         self._prev: list[Any] = []
@@ -357,8 +329,7 @@ class FilterSampler(Sampler):
     """
 
     def __init__(self, fn: Callable[[Any], Any], dataset: Any) -> None:
-        if not callable(fn):
-            raise TypeError(f"fn must be callable, got {fn!r}")
+        check_callable("fn", fn)
         self._fn = fn
         self._dataset = dataset
         self._indices = [i for i in range(len(dataset)) if fn(dataset[i])]
@@ -407,8 +378,8 @@ class IntervalSampler(Sampler):
     """
 
     def __init__(self, length: int, interval: int, rollover: bool = True) -> None:
-        self._length = _check_int("length", length, minimum=0)
-        self._interval = _check_int("interval", interval, minimum=1)
+        self._length = check_int("length", length, minimum=0)
+        self._interval = check_int("interval", interval, minimum=1)
         if self._interval >= self._length:
             raise ValueError(
                 f"interval must be smaller than length, got interval={self._interval}, "

@@ -1,9 +1,29 @@
 """``mploader.ShardedDataLoader``: GluonNLP 0.10's ShardedDataLoader on the slot ring."""
 from __future__ import annotations
 
-from .dataloader import DataLoader
+from typing import Any, Sequence
+
+from ._collate import Alloc
+from .dataloader import BatchifyFetch, DataLoader
 
 __all__ = ["ShardedDataLoader"]
+
+
+class ShardedFetch(BatchifyFetch):
+    """``fetch(dataset, indices, alloc)`` with GluonNLP's sharding rule.
+
+    As ``gluonnlp.data.ShardedDataLoader``'s worker: a batch whose first element is a
+    list or tuple is a list of shards, and the result is the list of the shards'
+    batchified results, all built by this one call (one worker, one slot).  Any other
+    batch is batchified as :class:`~mploader.dataloader.BatchifyFetch` does.
+    """
+
+    __slots__ = ()
+
+    def __call__(self, dataset: Any, indices: Sequence[Any], alloc: Alloc) -> Any:
+        if len(indices) and isinstance(indices[0], (list, tuple)):
+            return [self.collate([dataset[i] for i in shard], alloc) for shard in indices]
+        return self.collate([dataset[i] for i in indices], alloc)
 
 
 class ShardedDataLoader(DataLoader):
@@ -16,7 +36,8 @@ class ShardedDataLoader(DataLoader):
     in batch]``; it is built by one worker and written into one slot, so every array
     of every shard is a zero-copy view of that slot.  A batch of plain indices is
     batchified as :class:`~mploader.DataLoader` does.  As in GluonNLP, a batch is
-    sharded when its first element is a list or tuple.
+    sharded when its first element is a list or tuple.  The default ``batchify_fn`` is
+    Gluon's ``default_batchify_fn`` rule, as GluonNLP's.
 
     Takes the same arguments as :class:`~mploader.DataLoader` (GluonNLP's accepted a
     subset: no ``pin_device_id``, ``timeout`` or ``try_nopython``); ``len()`` is
@@ -25,4 +46,4 @@ class ShardedDataLoader(DataLoader):
     shard into pinned memory).
     """
 
-    _sharded = True
+    _fetch_class = ShardedFetch

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import mploader
+from mploader import _pinning
 from mploader import batchify as bf
-from mploader import dataloader as dl_module
 from mploader._ring import SlotLease
 from _util import lease_of, arrays_in, assert_same
 
@@ -238,6 +238,112 @@ def test_batches_are_views_of_one_slot():
     assert len(leases) == 1 and isinstance(lease_of(padded), SlotLease)
 
 
+# ---------------------------------------------------------------- Gluon's default batchify
+
+
+#: NumPy dtypes MXNet's NDArray could hold (``_DTYPE_NP_TO_MX`` in apache/mxnet
+#: python/mxnet/ndarray/ndarray.py, 1.x); ``nd.array`` raises for any other.
+MX_DTYPES = {np.float32, np.float64, np.float16, np.uint8, np.int32, np.int8, np.int64}
+
+
+def mxnet_default_batchify_fn(data):
+    """MXNet's rule, re-stated with NumPy from apache/mxnet
+    python/mxnet/gluon/data/dataloader.py, ``default_batchify_fn`` (and
+    ``default_mp_batchify_fn``, which differs only in the memory it allocates):
+    NDArray samples are stacked (there are none here); if ``data[0]`` is a tuple the
+    samples are zipped and each field batched, giving a list; anything else is
+    ``nd.array(np.asarray(data), dtype=...)``, which raises for dtypes NDArray lacks."""
+    if isinstance(data[0], tuple):
+        data = zip(*data)
+        return [mxnet_default_batchify_fn(i) for i in data]
+    data = np.asarray(data)
+    if data.dtype.type not in MX_DTYPES:
+        raise KeyError(f"nd.array cannot hold {data.dtype}")
+    return np.array(data, dtype=data.dtype)
+
+
+Point = collections.namedtuple("Point", ["xy", "weight"])
+
+
+class Func:
+    """Sample i is ``fn(i)``."""
+
+    def __init__(self, n, fn):
+        self.n, self.fn = n, fn
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return self.fn(i)
+
+
+# Samples Gluon batches without raising: the loader must give exactly MXNet's result.
+GLUON_SAMPLES = {
+    "lists of numbers": lambda i: [i, i + 1, i + 2],
+    "lists of arrays": lambda i: [np.full(2, i, np.float32), np.zeros(2, np.float32) - i],
+    "namedtuple": lambda i: Point(np.arange(3, dtype=np.int32) + i, float(i) / 2),
+    "tuple of list, array, scalar": lambda i: ([i, -i], np.full((2, 2), i, np.float16), np.uint8(i)),
+    "nested tuple": lambda i: ((np.arange(2) + i, i), [float(i)]),
+    "big-endian arrays": lambda i: np.arange(4, dtype=">i4") * i,
+    "first sample decides: tuple then lists": lambda i: (i, [i, i]) if i % 5 == 0 else [i, [i, i]],
+    "tuples of different lengths (zip truncates)": lambda i: (i, 2 * i) if i % 5 == 0 else (i, 2 * i, 3 * i),
+    "numbers": lambda i: i * 1.5,
+    "equal arrays": lambda i: np.full((3, 2), i, np.int64),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GLUON_SAMPLES))
+def test_default_batchify_is_gluons(workers, name):
+    dataset = Func(23, GLUON_SAMPLES[name])
+
+    def views_of_the_slot(batch):
+        if workers:
+            assert all(isinstance(lease_of(a), SlotLease) for a in arrays_in(batch)), "collated into the slot"
+
+    with mploader.DataLoader(dataset, 5, num_workers=workers, seed=0) as loader:
+        got = collect(loader, views_of_the_slot)
+    want = [mxnet_default_batchify_fn([dataset[i] for i in idx])
+            for idx in mploader.BatchSampler(mploader.SequentialSampler(len(dataset)), 5)]
+    assert len(got) == len(want) == 5
+    for g, w in zip(got, want):
+        assert_same(g, w)
+    assert_same(mploader.default_batchify([dataset[i] for i in range(5)]), want[0])
+
+
+def test_two_list_samples_make_one_array():
+    """The issue's example: ``[[1, 2, 3], [4, 5, 6]]`` as two samples is one (2, 3) array."""
+    with mploader.DataLoader([[1, 2, 3], [4, 5, 6]], batch_size=2, num_workers=1) as loader:
+        (batch,) = collect(loader)
+    assert type(batch) is np.ndarray and batch.shape == (2, 3) and batch.dtype == np.int64
+    assert batch.tolist() == [[1, 2, 3], [4, 5, 6]]
+
+
+# Samples where MXNet's rule raises: the loader passes them through (docs/faces.md).
+GLUON_RAISES = {
+    "ragged arrays": (lambda i: np.arange(1 + i % 3), list),
+    "None": (lambda i: None, list),
+    "dicts": (lambda i: {"x": i}, list),
+    "strings": (lambda i: f"s{i}", np.ndarray),         # np.asarray's fixed-width string array
+    "int16 numbers": (lambda i: np.int16(i), np.ndarray),  # NumPy's dtype, which NDArray lacked
+}
+
+
+@pytest.mark.parametrize("name", sorted(GLUON_RAISES))
+def test_default_batchify_passes_through_what_gluon_cannot_batch(name):
+    fn, kind = GLUON_RAISES[name]
+    samples = [fn(i) for i in range(4)]
+    with pytest.raises((ValueError, KeyError)):
+        mxnet_default_batchify_fn(samples)
+    with mploader.DataLoader(Func(4, fn), 4, num_workers=1) as loader:
+        (got,) = collect(loader)
+    assert type(got) is kind
+    if kind is list:
+        assert_same(got, samples)
+    else:
+        assert_same(got, np.asarray(samples))
+
+
 # ---------------------------------------------------------------- thread_pool, timeout
 
 
@@ -295,7 +401,7 @@ def test_timeout_raises(workers, thread_pool):
 
 
 def test_pin_memory_is_a_no_op_without_cuda_or_workers(workers):
-    cuda = dl_module.cuda_runtime(0) is not None
+    cuda = _pinning.cuda_runtime(0) is not None
     with mploader.DataLoader(np.arange(20), 4, num_workers=workers, pin_memory=True, pin_device_id=0) as loader:
         assert flat(loader) == list(range(20))
         if cuda and workers:
@@ -332,7 +438,7 @@ class Growing:
 
 def test_pin_memory_registers_the_region_as_it_grows(monkeypatch):
     fake = FakeCudart()
-    monkeypatch.setattr(dl_module, "cuda_runtime", lambda device_id: (fake, contextlib.nullcontext))
+    monkeypatch.setattr(_pinning, "cuda_runtime", lambda device_id: (fake, contextlib.nullcontext))
     loader = mploader.DataLoader(Growing(), 4, num_workers=2, pin_memory=True, batchify_fn=bf.List())
     try:
         for batch in loader:
@@ -361,7 +467,7 @@ def test_pin_memory_registers_the_region_as_it_grows(monkeypatch):
 
 def test_pin_memory_registration_failure_warns_once(monkeypatch):
     fake = FakeCudart(code=1)
-    monkeypatch.setattr(dl_module, "cuda_runtime", lambda device_id: (fake, contextlib.nullcontext))
+    monkeypatch.setattr(_pinning, "cuda_runtime", lambda device_id: (fake, contextlib.nullcontext))
     with mploader.DataLoader(Growing(), 4, num_workers=1, pin_memory=True, batchify_fn=bf.List()) as loader:
         with pytest.warns(RuntimeWarning, match=r"pin_memory: cudaHostRegister .* failed \(cudaError 1\)"):
             batches = collect(loader)

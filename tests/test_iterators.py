@@ -306,21 +306,35 @@ def test_repeating_over_an_empty_dataset_raises(procs):
             it.next()
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(batch_size=0), r"batch_size must be a positive integer, got 0"),
-    (dict(batch_size=2.0), r"batch_size must be a positive integer, got 2.0"),
-    (dict(n_processes=-1), r"n_processes must be a non-negative integer, got -1"),
-    (dict(n_prefetch="2"), r"n_prefetch must be an integer, got '2'"),
-    (dict(shared_mem=-5), r"shared_mem must be a non-negative integer or None, got -5"),
-    (dict(dataset_timeout=-1.0), r"dataset_timeout must be a non-negative number of seconds or None, got -1.0"),
-    (dict(maxtasksperchild=0), r"maxtasksperchild must be a positive integer or None, got 0"),
-    (dict(order_sampler=3), r"order_sampler must be callable, got 3"),
+@pytest.mark.parametrize("kwargs, exc_type, message", [
+    (dict(batch_size=0), ValueError, r"batch_size must be a positive integer, got 0"),
+    (dict(batch_size=2.0), TypeError, r"batch_size must be a positive integer, got 2.0 \(float\)"),
+    (dict(n_processes=-1), ValueError, r"n_processes must be a non-negative integer, got -1"),
+    (dict(n_prefetch="2"), TypeError, r"n_prefetch must be a non-negative integer, got '2' \(str\)"),
+    (dict(n_prefetch=0, n_processes=2), ValueError,
+     r"n_prefetch must be a positive integer when n_processes > 0 .*, got 0"),
+    (dict(n_prefetch=5000), ValueError,
+     r"n_prefetch must be at most 4093 \(the ring holds at most 4096 slots and the engine uses n_prefetch \+ 3\), "
+     r"got 5000"),
+    (dict(n_processes=5000), ValueError, r"n_processes must be at most 4093 .*, got 5000"),
+    (dict(shared_mem=-5), ValueError, r"shared_mem must be a non-negative integer or None, got -5"),
+    (dict(shared_mem=2**40), ValueError,
+     r"shared_mem must be at most \d+ bytes per example with batch_size=2 \(a slot holds at most 1099511627776 "
+     r"bytes\), got 1099511627776"),
+    (dict(dataset_timeout=-1.0), ValueError,
+     r"dataset_timeout must be a non-negative number of seconds or None, got -1.0"),
+    (dict(dataset_timeout="1"), TypeError,
+     r"dataset_timeout must be a non-negative number of seconds or None, got '1' \(str\)"),
+    (dict(maxtasksperchild=0), ValueError, r"maxtasksperchild must be a positive integer or None, got 0"),
+    (dict(order_sampler=3), TypeError, r"order_sampler must be callable or None, got 3"),
+    (dict(seed="x"), TypeError, r"seed must be a non-negative integer or None, got 'x' \(str\)"),
 ])
-def test_argument_errors_name_the_argument(kwargs, message):
+def test_argument_errors_name_the_argument(kwargs, exc_type, message):
     args = dict(dataset=Indexed(4), batch_size=2, n_processes=0)
     args.update(kwargs)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(exc_type, match=message) as info:
         MultiprocessIterator(**args)
+    assert type(info.value) is exc_type
 
 
 def test_dataset_without_len_is_refused():
@@ -532,6 +546,33 @@ def test_timeout_warning_as_error_leaves_the_batch_owed(procs):
         ds.gate.set()
         assert it.next() == [0, 1]
         assert it.next() == [2, 3]
+
+
+@pytest.mark.parametrize("dataset_timeout", [30.0, 0.0001], ids=["default-timeout", "timeout-always-hit"])
+def test_inline_path_starts_one_thread_not_one_per_batch(monkeypatch, dataset_timeout):
+    """n_processes=0 with a dataset_timeout (the default) loads batches on a helper
+    thread so that next() can warn while the dataset stalls: one thread for the
+    iterator's life, not one per batch (reset and serialize start new runs, still no
+    new thread)."""
+    created = []
+
+    class CountingThread(threading.Thread):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            created.append(self)
+
+    monkeypatch.setattr(threading, "Thread", CountingThread)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MultiprocessIterator.TimeoutWarning)
+        with MultiprocessIterator(Indexed(10), 3, shuffle=False, n_processes=0,
+                                  dataset_timeout=dataset_timeout) as it:
+            got = [it.next() for _ in range(20)]
+            it.reset()
+            got.append(it.next())
+    assert got[:4] == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 0, 1]] and got[-1] == [0, 1, 2]
+    assert len(created) == 1, f"{len(created)} threads for 21 batches"
+    created[0].join(10)
+    assert not created[0].is_alive(), "the helper thread ends with the iterator"
 
 
 @pytest.mark.parametrize("procs", [1, 2], ids=lambda n: f"procs{n}")

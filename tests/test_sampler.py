@@ -66,10 +66,10 @@ def test_sequential_empty():
 @pytest.mark.parametrize(
     "kwargs, exc, message",
     [
-        ({"length": -1}, ValueError, "length must be non-negative, got -1"),
-        ({"length": 2.0}, TypeError, "length must be an int, got 2.0 (float)"),
-        ({"length": True}, TypeError, "length must be an int, got True (bool)"),
-        ({"length": 3, "start": "a"}, TypeError, "start must be an int, got 'a' (str)"),
+        ({"length": -1}, ValueError, "length must be a non-negative integer, got -1"),
+        ({"length": 2.0}, TypeError, "length must be a non-negative integer, got 2.0 (float)"),
+        ({"length": True}, TypeError, "length must be a non-negative integer, got True (bool)"),
+        ({"length": 3, "start": "a"}, TypeError, "start must be an integer, got 'a' (str)"),
     ],
 )
 def test_sequential_validation(kwargs, exc, message):
@@ -166,13 +166,13 @@ def test_random_set_epoch_unseeded_only_moves_counter():
 @pytest.mark.parametrize(
     "call, exc, message",
     [
-        (lambda: RandomSampler(-2), ValueError, "length must be non-negative, got -2"),
-        (lambda: RandomSampler(3, seed=-1), ValueError, "seed must be non-negative, got -1"),
-        (lambda: RandomSampler(3, seed=1.5), TypeError, "seed must be an int, got 1.5 (float)"),
+        (lambda: RandomSampler(-2), ValueError, "length must be a non-negative integer, got -2"),
+        (lambda: RandomSampler(3, seed=-1), ValueError, "seed must be a non-negative integer or None, got -1"),
+        (lambda: RandomSampler(3, seed=1.5), TypeError, "seed must be a non-negative integer or None, got 1.5 (float)"),
         (lambda: RandomSampler(3, seed=1).set_epoch(-1), ValueError,
-         "epoch must be non-negative, got -1"),
+         "epoch must be a non-negative integer, got -1"),
         (lambda: RandomSampler(3, seed=1).set_epoch("1"), TypeError,
-         "epoch must be an int, got '1' (str)"),
+         "epoch must be a non-negative integer, got '1' (str)"),
     ],
 )
 def test_random_validation(call, exc, message):
@@ -277,10 +277,10 @@ def test_batch_matches_reference(n, batch_size, last_batch, passes):
 @pytest.mark.parametrize(
     "kwargs, exc, message",
     [
-        ({"batch_size": 0}, ValueError, "batch_size must be positive, got 0"),
-        ({"batch_size": -3}, ValueError, "batch_size must be positive, got -3"),
-        ({"batch_size": 2.0}, TypeError, "batch_size must be an int, got 2.0 (float)"),
-        ({"batch_size": None}, TypeError, "batch_size must be an int, got None (NoneType)"),
+        ({"batch_size": 0}, ValueError, "batch_size must be a positive integer, got 0"),
+        ({"batch_size": -3}, ValueError, "batch_size must be a positive integer, got -3"),
+        ({"batch_size": 2.0}, TypeError, "batch_size must be a positive integer, got 2.0 (float)"),
+        ({"batch_size": None}, TypeError, "batch_size must be a positive integer, got None (NoneType)"),
         ({"batch_size": 2, "last_batch": "foo"}, ValueError,
          "last_batch must be one of 'keep', 'discard', 'rollover', got 'foo'"),
         ({"batch_size": 2, "last_batch": None}, ValueError,
@@ -358,8 +358,8 @@ def test_interval_visits_each_index_once(length, data):
     "args, exc, message",
     [
         ((5, 5), ValueError, "interval must be smaller than length, got interval=5, length=5"),
-        ((5, 0), ValueError, "interval must be positive, got 0"),
-        ((5, 1.0), TypeError, "interval must be an int, got 1.0 (float)"),
+        ((5, 0), ValueError, "interval must be a positive integer, got 0"),
+        ((5, 1.0), TypeError, "interval must be a positive integer, got 1.0 (float)"),
     ],
 )
 def test_interval_validation(args, exc, message):

@@ -1,0 +1,275 @@
+"""Argument validation shared by every face, the samplers and the CLI.
+
+One convention everywhere (Python's): a value of the wrong type raises ``TypeError``,
+a value of the right type but out of range raises ``ValueError``, and the message
+names the argument as the user spelled it, the value, and what was expected::
+
+    num_workers must be a non-negative integer, got -1
+    prefetch must be at most 4093 (the ring holds at most 4096 slots and the engine uses prefetch + 3), got 5000
+
+Nothing is clamped silently: a value the engine cannot honour is refused at
+construction, before any process or shared memory exists.
+
+:class:`LoaderOptions` is the frozen, validated set of engine-facing options of one
+loader; the faces build it from their own arguments (``arg_names`` maps its fields to
+the face's argument names, e.g. Chainer's ``n_processes``) and hand
+:meth:`LoaderOptions.engine_kwargs` to the engine.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from . import _ring
+
+#: The most slots one ring can have (``mploader._ring.MAX_SLOTS`` once the ring exports it).
+MAX_SLOTS: int = int(getattr(_ring, "MAX_SLOTS", 4096))
+#: The largest payload one slot can be created with, in bytes.
+MAX_SLOT_BYTES: int = int(getattr(_ring, "MAX_SLOT_BYTES", 1 << 40))
+#: Slots beyond ``prefetch`` the engine adds (the batch the caller holds, the previous
+#: one and a spare; docs/design.md, "The lease rule").
+EXTRA_SLOTS = 3
+#: The largest ``prefetch`` (batches in flight) the ring can serve.
+MAX_PREFETCH = MAX_SLOTS - EXTRA_SLOTS
+
+_BOUNDS = {0: "a non-negative integer", 1: "a positive integer"}
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None,
+              none_ok: bool = False, why_max: str = "") -> Any:
+    """``value`` as an ``int`` (Python and NumPy integers; not ``bool``).
+
+    Parameters
+    ----------
+    name : str
+        The argument's name as the user spelled it.
+    minimum, maximum : int or None
+        Inclusive bounds.
+    none_ok : bool
+        Whether ``None`` is accepted (and returned unchanged).
+    why_max : str
+        Appended to the message when ``maximum`` is exceeded (the limit's reason).
+
+    Raises
+    ------
+    TypeError
+        ``value`` is not an integer (or None when ``none_ok``).
+    ValueError
+        ``value`` is outside ``[minimum, maximum]``.
+    """
+    if value is None and none_ok:
+        return None
+    expected = _BOUNDS.get(minimum, "an integer" if minimum is None else f"an integer >= {minimum}")
+    if none_ok:
+        expected += " or None"
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be {expected}, got {value!r} (bool)")
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be {expected}, got {value!r} ({_type_name(value)})") from None
+    if minimum is not None and as_int < minimum:
+        raise ValueError(f"{name} must be {expected}, got {as_int}")
+    if maximum is not None and as_int > maximum:
+        raise ValueError(f"{name} must be at most {maximum}{why_max}, got {as_int}")
+    return as_int
+
+
+def check_seconds(name: str, value: Any, *, none_ok: bool = True) -> float | None:
+    """A duration in seconds: a non-negative real number (``inf`` allowed), or None.
+
+    Raises
+    ------
+    TypeError
+        Not a real number (``bool`` included) nor None.
+    ValueError
+        Negative or NaN.
+    """
+    expected = "a non-negative number of seconds" + (" or None" if none_ok else "")
+    if value is None and none_ok:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {expected}, got {value!r} ({_type_name(value)})")
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return float(value)
+
+
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (strings, compared exactly).
+
+    Raises
+    ------
+    ValueError
+        Anything else (the message lists the choices).
+    """
+    if not isinstance(value, str) or value not in choices:
+        listed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be one of {listed}, got {value!r}")
+    return value
+
+
+def check_callable(name: str, value: Any, *, none_ok: bool = False) -> Any:
+    """``value`` if it is callable (or None when ``none_ok``); else TypeError."""
+    if (value is None and none_ok) or callable(value):
+        return value
+    raise TypeError(f"{name} must be callable{' or None' if none_ok else ''}, got {value!r}")
+
+
+def check_dataset(dataset: Any, *, needs_len: bool = True) -> Any:
+    """``dataset`` if it has ``__getitem__`` (and ``__len__`` when ``needs_len``).
+
+    Raises
+    ------
+    TypeError
+        The methods are missing (the message names the dataset's type).
+    """
+    if not hasattr(dataset, "__getitem__") or (needs_len and not hasattr(dataset, "__len__")):
+        raise TypeError(f"dataset must support __getitem__{' and __len__' if needs_len else ''}, "
+                        f"got {_type_name(dataset)}")
+    return dataset
+
+
+def default_seed() -> int:
+    """The base seed of a loader created with ``seed=None``, the same rule for every face.
+
+    It is read from NumPy's global random state *without advancing it*: the state is
+    saved, one 63-bit integer drawn, and the state restored.  So ``np.random.seed(s)``
+    at the top of a script makes every loader's seed (hence its shuffling and the
+    workers' random augmentation) reproducible, while the stream that upstream code
+    draws from -- Chainer's ``ShuffleOrderSampler``, Gluon's unseeded
+    ``RandomSampler`` -- is exactly the one upstream would see.  Two loaders created
+    with no NumPy draw in between get the same seed; pass ``seed=`` to tell them apart.
+    """
+    state = np.random.get_state()
+    try:
+        return int(np.random.randint(0, 2**63 - 1, dtype=np.int64))
+    finally:
+        np.random.set_state(state)
+
+
+def check_seed(name: str, seed: Any) -> int:
+    """``seed`` as a non-negative int, or :func:`default_seed` for None.
+
+    Raises
+    ------
+    TypeError
+        Not an integer nor None.
+    ValueError
+        Negative.
+    """
+    if seed is None:
+        return default_seed()
+    return check_int(name, seed, minimum=0, none_ok=True)
+
+
+@dataclass(frozen=True, slots=True)
+class LoaderOptions:
+    """The engine-facing options of one loader, validated once at construction.
+
+    Parameters
+    ----------
+    num_workers : int
+        Worker processes (threads with ``thread_pool``); 0 loads in the calling process.
+    prefetch : int or None
+        Batches in flight; None means ``2 * num_workers`` (Gluon's default).  Must be
+        positive when ``num_workers > 0`` and at most :data:`MAX_PREFETCH`.
+    shared_mem : int or None
+        Payload bytes per slot, at most :data:`MAX_SLOT_BYTES`; None sizes slots from
+        the first batch.
+    timeout_s : float or None
+        Seconds one batch may take once awaited; 0 and None disable (stored as None).
+    seed : int or None
+        Base seed; None is resolved with :func:`default_seed` (stored as an int).
+    copy : bool
+        Return owned arrays instead of slot views.
+    thread_pool : bool
+        Threads instead of processes (no shared memory).
+    maxtasksperchild : int or None
+        Batches a worker builds before it is replaced (positive) or None.
+    slow_after_s : float or None
+        Seconds after which the engine reports a slow batch (Chainer's
+        ``dataset_timeout``); None disables.
+    busy_workers : bool
+        Keep every worker busy: ``max(prefetch, num_workers)`` batches in flight
+        (Chainer's face, where each worker builds whole batches).
+    arg_names : mapping
+        Field name -> the face's argument name, for messages (e.g.
+        ``{"num_workers": "n_processes"}``).  Not part of equality.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`check_int` / :func:`check_seconds`, naming the face's argument.
+    """
+
+    num_workers: int = 0
+    prefetch: int | None = None
+    shared_mem: int | None = None
+    timeout_s: float | None = None
+    seed: int | None = None
+    copy: bool = False
+    thread_pool: bool = False
+    maxtasksperchild: int | None = None
+    slow_after_s: float | None = None
+    busy_workers: bool = False
+    arg_names: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def _name(self, field_name: str) -> str:
+        return self.arg_names.get(field_name, field_name)
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        n = self._name
+        num_workers = check_int(n("num_workers"), self.num_workers, minimum=0)
+        put(self, "num_workers", num_workers)
+        prefetch = self.prefetch
+        if prefetch is None:
+            prefetch = 2 * num_workers
+        why = f" (the ring holds at most {MAX_SLOTS} slots and the engine uses {n('prefetch')} + {EXTRA_SLOTS})"
+        prefetch = check_int(n("prefetch"), prefetch, minimum=0, maximum=MAX_PREFETCH, why_max=why)
+        if num_workers > 0 and prefetch == 0:
+            raise ValueError(f"{n('prefetch')} must be a positive integer when {n('num_workers')} > 0 "
+                             f"(the engine keeps at least one batch in flight; Gluon's 0 loaded each batch "
+                             f"only when asked for it), got 0")
+        if self.busy_workers and num_workers > MAX_PREFETCH:
+            raise ValueError(f"{n('num_workers')} must be at most {MAX_PREFETCH} (each worker keeps one batch "
+                             f"in flight{why}), got {num_workers}")
+        put(self, "prefetch", prefetch)
+        put(self, "shared_mem", check_int(n("shared_mem"), self.shared_mem, minimum=0, maximum=MAX_SLOT_BYTES,
+                                          none_ok=True, why_max=" bytes (the largest slot the ring can make)"))
+        put(self, "timeout_s", check_seconds(n("timeout_s"), self.timeout_s) or None)
+        put(self, "seed", check_seed(n("seed"), self.seed))
+        put(self, "copy", bool(self.copy))
+        put(self, "thread_pool", bool(self.thread_pool))
+        put(self, "busy_workers", bool(self.busy_workers))
+        put(self, "maxtasksperchild", check_int(n("maxtasksperchild"), self.maxtasksperchild, minimum=1,
+                                                none_ok=True))
+        put(self, "slow_after_s", check_seconds(n("slow_after_s"), self.slow_after_s))
+
+    @property
+    def in_flight(self) -> int:
+        """Batches the engine keeps in flight (``prefetch``, or ``max(prefetch,
+        num_workers)`` with ``busy_workers``)."""
+        assert self.prefetch is not None
+        return max(self.prefetch, self.num_workers) if self.busy_workers else self.prefetch
+
+    @property
+    def num_slots(self) -> int:
+        """Slots of the ring: ``in_flight + 3``."""
+        return self.in_flight + EXTRA_SLOTS
+
+    def engine_kwargs(self) -> dict:
+        """Keyword arguments of ``mploader._engine.Engine`` (besides dataset and fetch)."""
+        return dict(num_workers=self.num_workers, prefetch=self.in_flight, shared_mem=self.shared_mem,
+                    timeout_s=self.timeout_s, seed=self.seed, copy=self.copy,
+                    maxtasksperchild=self.maxtasksperchild, slow_after_s=self.slow_after_s)

@@ -1,0 +1,119 @@
+"""CUDA pinning of the shared region (the Gluon and GluonNLP faces' ``pin_memory``).
+
+The region's file grows inside a fixed address reservation (docs/design.md,
+"Growth"), so pinning it is incremental: each time the engine reports that a
+delivered batch made the region larger (``Engine(on_grow=...)``), :class:`HostPinner`
+page-locks (``cudaHostRegister``, portable) the bytes not registered yet, before the
+batch reaches the caller.  One registration per growth, nothing per batch.
+"""
+from __future__ import annotations
+
+import ctypes
+import warnings
+from typing import Any, Callable
+
+#: cudaHostRegisterPortable: the registration counts for every CUDA context.
+CUDA_HOST_REGISTER_PORTABLE = 1
+#: madvise(2) advice that undoes MADV_DONTFORK (include/uapi/asm-generic/mman-common.h).
+_MADV_DOFORK = 11
+
+
+def cuda_runtime(device_id: int) -> tuple[Any, Callable[[], Any]] | None:
+    """torch's CUDA runtime bindings and a context manager factory selecting
+    ``device_id``, when torch with a usable CUDA device is installed; else None.
+
+    Importing torch happens here, only when ``pin_memory=True`` asks for it."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    try:
+        if not torch.cuda.is_available():
+            return None
+        return torch.cuda.cudart(), lambda: torch.cuda.device(device_id)
+    except Exception:  # noqa: BLE001 - a broken CUDA setup means: do not pin
+        return None
+
+
+def _madvise_dofork(address: int, nbytes: int) -> None:
+    """Make sure workers forked later still inherit a registered range (some drivers
+    mark page-locked memory MADV_DONTFORK; the region is MAP_SHARED, so inheriting
+    it is safe).  Best effort: a failure leaves the range as the driver made it."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_DOFORK)
+    except (OSError, AttributeError):
+        pass
+
+
+class HostPinner:
+    """Page-locks an engine's shared region for CUDA, so batch views are pinned memory.
+
+    :meth:`on_grow` registers only the part of the region's file not registered yet;
+    the engine calls it in the parent whenever a delivered batch made the region
+    larger, before that batch is returned, so every byte a returned batch views is
+    page-locked.  :meth:`release` unregisters every range (at ``close()`` or when the
+    engine is collected).  The pinner holds the ``Region`` object, so the mapping
+    cannot disappear before :meth:`release` has run.  Ranges a slot grew out of stay
+    registered (and hence resident) until then.  A failed registration warns once
+    (``RuntimeWarning``) and pinning stops; batches are then ordinary memory.
+
+    Parameters
+    ----------
+    cudart : object
+        ``torch.cuda.cudart()``: ``cudaHostRegister(ptr, nbytes, flags)`` and
+        ``cudaHostUnregister(ptr)``, each returning a cudaError (0 on success).
+    device : callable
+        Returns a context manager that selects the pinning device.
+    """
+
+    def __init__(self, cudart: Any, device: Callable[[], Any]) -> None:
+        self._cudart = cudart
+        self._device = device
+        self._region: Any = None
+        self._registered_bytes = 0
+        self._ranges: list[int] = []
+        self._failed = False
+
+    @property
+    def ranges(self) -> list[int]:
+        """Start addresses of the registered ranges."""
+        return list(self._ranges)
+
+    def on_grow(self, region: Any) -> None:
+        """Register ``region``'s bytes that are not registered yet (none: no-op).
+
+        ``region`` is the engine's ``_ring.Region`` (``address``, ``file_bytes``)."""
+        if self._failed or region is None:
+            return
+        if self._region is None:
+            self._region = region
+        end = region.file_bytes
+        start = self._registered_bytes
+        if end <= start:
+            return
+        address = region.address + start
+        with self._device():
+            rc = self._cudart.cudaHostRegister(address, end - start, CUDA_HOST_REGISTER_PORTABLE)
+        code = int(getattr(rc, "value", rc))
+        if code != 0:
+            self._failed = True
+            warnings.warn(f"pin_memory: cudaHostRegister of {end - start} bytes of the shared region failed "
+                          f"(cudaError {code}); batches are returned in unpinned memory", RuntimeWarning,
+                          stacklevel=2)
+            return
+        _madvise_dofork(address, end - start)
+        self._ranges.append(address)
+        self._registered_bytes = end
+
+    def release(self) -> None:
+        """Unregister every range and let go of the region.  Idempotent."""
+        ranges, self._ranges = self._ranges, []
+        for address in ranges:
+            try:
+                with self._device():
+                    self._cudart.cudaHostUnregister(address)
+            except Exception:  # noqa: BLE001 - at exit CUDA may already be gone
+                pass
+        self._region = None
+        self._failed = True
