@@ -166,20 +166,22 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
     from . import peers
 
     if args.transports is None:
-        available = peers.available_transports()
-        transports = [t for t in images.IMAGE_TRANSPORTS if t in available]
+        transports = peers.available_transports("images")
     else:
+        names = ", ".join(peers.transport_names())
         transports = list(dict.fromkeys(_split(args.transports)))
         if not transports:
             raise UsageError(f"argument --transports: invalid value {args.transports!r}: "
-                             f"expected a comma-separated list of {', '.join(peers.TRANSPORTS)}")
+                             f"expected a comma-separated list of {names}")
         for t in transports:
-            if t not in peers.TRANSPORTS:
+            if t not in peers.transport_names():
                 raise UsageError(f"argument --transports: unknown transport {t!r}: expected "
-                                 f"some of {', '.join(peers.TRANSPORTS)}")
-            if t == "torch" and "torch" not in peers.available_transports():
+                                 f"some of {names}")
+            missing = peers.missing_requirements(t)
+            if missing:
                 raise UsageError(f"argument --transports: transport {t!r} is not available here "
-                                 f"(is torch installed? `make bench` installs it)")
+                                 f"(cannot import {', '.join(missing)}; `make bench` installs "
+                                 f"the harness's dependencies)")
 
     return {"formats": formats, "transports": transports, "folder": folder, "out": out}
 

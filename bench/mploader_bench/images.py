@@ -70,13 +70,13 @@ from typing import Any
 import numpy as np
 
 from . import data as _data
+from . import peers
 from . import pipeline as _pipeline
 
 __all__ = [
     "DEFAULT_REPEATS",
     "DEFAULT_SECONDS",
     "FORMATS",
-    "IMAGE_TRANSPORTS",
     "ImagesConfig",
     "VerificationError",
     "batch_checksum",
@@ -91,8 +91,6 @@ SUITE = "images"
 SCHEMA_VERSION = 1
 #: The formats, in report order.
 FORMATS = ("jpeg", "raw")
-#: The transports this suite compares by default, in run and report order.
-IMAGE_TRANSPORTS = ("mploader", "pickle", "torch", "inline")
 #: Default target duration of one timed run of a worker transport, in seconds.
 DEFAULT_SECONDS = 5.0
 #: Default number of repetitions.
@@ -136,7 +134,8 @@ class ImagesConfig:
     formats : list of str
         Subset of :data:`FORMATS`.
     transports : list of str
-        Names from :data:`mploader_bench.peers.TRANSPORTS`.
+        Names from :func:`mploader_bench.peers.transport_names` (default: those of
+        the ``images`` suite available here, in registration order).
     workers : int
         Worker processes of every multi-process transport, >= 1.
     batch_size : int
@@ -161,7 +160,7 @@ class ImagesConfig:
 
     data: str | None = None
     formats: list[str] = field(default_factory=lambda: list(FORMATS))
-    transports: list[str] = field(default_factory=lambda: list(IMAGE_TRANSPORTS))
+    transports: list[str] = field(default_factory=lambda: peers.available_transports("images"))
     workers: int = 2
     batch_size: int = 256
     batches: int | None = None
@@ -458,8 +457,6 @@ def _median(xs: Sequence[float | None]) -> float | None:
 
 def _run_format(fmt: str, folder: _data.ImageFolder, cfg: ImagesConfig, tree: _Tree,
                 log: Callable[[str], None]) -> dict:
-    from . import peers
-
     B, W = cfg.batch_size, cfg.workers
     ncpu = _usable_cores()
     image_bytes = _pipeline.OUTPUT_SIZE * _pipeline.OUTPUT_SIZE * 3 + 8

@@ -32,6 +32,18 @@ is a bare array or number gives a bare array.  Arrays yielded by ``mploader``
 and ``torch`` may live in shared memory that is reused once the consumer lets go
 of them: copy what must outlive the next batch.
 
+Adding a transport
+------------------
+This module is the one place: subclass :class:`Transport`, give it a ``name``,
+the modules it ``requires`` (it is left out where one does not import), the
+``suites`` that run it by default (``"images"``, ``"transport"``), implement
+``_epoch`` (and ``_close`` if it holds workers), and decorate it with
+:func:`register`.  Both suites, ``--transports``, the tables and the checksum
+verification pick it up; the report lists transports in registration order.
+A transport whose library wants its own kind of dataset (a torch-style one
+returning tensors, say) wraps the numpy dataset it is given in ``__init__``;
+whatever it yields must be numpy arrays (``Tensor.numpy()`` is zero-copy).
+
 Examples
 --------
 >>> import numpy as np
@@ -43,6 +55,7 @@ Examples
 from __future__ import annotations
 
 import collections
+import importlib
 import multiprocessing
 import os
 import queue as _queue_mod
@@ -53,15 +66,18 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "TRANSPORTS",
+    "SUITES",
     "Transport",
     "available_transports",
     "collate",
+    "missing_requirements",
     "open_transport",
+    "register",
+    "transport_names",
 ]
 
-#: Every transport name, in the order the benchmarks report them.
-TRANSPORTS = ("mploader", "pickle", "queue", "torch", "inline")
+#: The suites a transport can take part in by default.
+SUITES = ("images", "transport")
 
 _FORK = multiprocessing.get_context("fork")
 
@@ -150,12 +166,18 @@ class Transport:
     Attributes
     ----------
     name : str
-        The transport's name, one of :data:`TRANSPORTS`.
+        The transport's name, one of :func:`transport_names`.
+    requires : tuple of str
+        Modules that must import for the transport to be available.
+    suites : tuple of str
+        The suites (of :data:`SUITES`) that run it when ``--transports`` is not given.
     workers : int
         Number of worker processes (0 for ``inline``).
     """
 
-    name = "?"
+    name: str = "?"
+    requires: tuple[str, ...] = ()
+    suites: tuple[str, ...] = SUITES
 
     def __init__(self, dataset: Any, *, workers: int, seed: int = 0,
                  prefetch: int | None = None) -> None:
@@ -214,6 +236,7 @@ class Transport:
 
 class _Inline(Transport):
     name = "inline"
+    suites = ("images",)  # the transport suite's reference is collate-limit
 
     def _epoch(self, batches: list[list[int]]) -> Iterator[Any]:
         dataset = self.dataset
@@ -223,6 +246,7 @@ class _Inline(Transport):
 
 class _MPLoader(Transport):
     name = "mploader"
+    requires = ("mploader",)
 
     def __init__(self, dataset: Any, **kw: Any) -> None:
         super().__init__(dataset, **kw)
@@ -315,6 +339,7 @@ def _queue_worker(dataset: Any, tasks: Any, results: Any) -> None:
 
 class _Queue(Transport):
     name = "queue"
+    suites = ("transport",)
 
     def __init__(self, dataset: Any, **kw: Any) -> None:
         super().__init__(dataset, **kw)
@@ -393,6 +418,7 @@ class _Queue(Transport):
 
 class _Torch(Transport):
     name = "torch"
+    requires = ("torch.utils.data",)
 
     def __init__(self, dataset: Any, **kw: Any) -> None:
         super().__init__(dataset, **kw)
@@ -426,29 +452,99 @@ class _Torch(Transport):
         loader._iterator = None
 
 
-_CLASSES = {c.name: c for c in (_MPLoader, _Pickle, _Queue, _Torch, _Inline)}
+# --------------------------------------------------------------------------
+# the registry: the order of registration is the order of every report
+
+_REGISTRY: dict[str, type[Transport]] = {}
 
 
-def _torch_importable() -> bool:
-    try:
-        import torch.utils.data  # noqa: F401
-    except Exception:  # noqa: BLE001 - a broken torch install (OSError, RuntimeError) too
-        return False
-    return True
+def register(cls: type[Transport]) -> type[Transport]:
+    """Class decorator: make a :class:`Transport` subclass one of the benchmarks' transports.
+
+    Parameters
+    ----------
+    cls : type
+        A subclass of :class:`Transport` with a new ``name`` and ``suites`` from
+        :data:`SUITES`.
+
+    Returns
+    -------
+    type
+        `cls`, registered after those registered before it.
+
+    Raises
+    ------
+    TypeError
+        If `cls` is not a :class:`Transport` subclass.
+    ValueError
+        If its name is taken or empty, or a suite is unknown.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Transport)):
+        raise TypeError(f"register expects a Transport subclass, got {cls!r}")
+    if not cls.name or cls.name == Transport.name or cls.name in _REGISTRY:
+        raise ValueError(f"transport name {cls.name!r} is empty or already registered")
+    bad = [s for s in cls.suites if s not in SUITES]
+    if bad:
+        raise ValueError(f"transport {cls.name!r}: unknown suites {bad}; expected some of {SUITES}")
+    _REGISTRY[cls.name] = cls
+    return cls
 
 
-def available_transports() -> list[str]:
-    """Names of the transports usable here, in :data:`TRANSPORTS` order.
+for _cls in (_MPLoader, _Pickle, _Queue, _Torch, _Inline):
+    register(_cls)
+
+
+def transport_names(suite: str | None = None) -> list[str]:
+    """Registered transports, in registration order.
+
+    Parameters
+    ----------
+    suite : str or None, optional
+        Only those that `suite` (one of :data:`SUITES`) runs by default.
 
     Returns
     -------
     list of str
-        :data:`TRANSPORTS` without ``"torch"`` when torch cannot be imported.
     """
-    names = list(TRANSPORTS)
-    if not _torch_importable():
-        names.remove("torch")
-    return names
+    return [n for n, c in _REGISTRY.items() if suite is None or suite in c.suites]
+
+
+def missing_requirements(name: str) -> list[str]:
+    """The modules of transport `name`'s ``requires`` that do not import here.
+
+    Raises
+    ------
+    ValueError
+        If `name` is not registered.
+    """
+    try:
+        cls = _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown transport {name!r}; expected one of {transport_names()}") from None
+    missing = []
+    for module in cls.requires:
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - a broken install (OSError, RuntimeError) too
+            missing.append(module)
+    return missing
+
+
+def available_transports(suite: str | None = None) -> list[str]:
+    """Names of the transports usable here, in registration order.
+
+    Parameters
+    ----------
+    suite : str or None, optional
+        Only those that `suite` runs by default.
+
+    Returns
+    -------
+    list of str
+        :func:`transport_names` without those whose ``requires`` do not import
+        (``torch`` without torch).
+    """
+    return [n for n in transport_names(suite) if not missing_requirements(n)]
 
 
 def open_transport(name: str, dataset: Any, *, workers: int, seed: int = 0,
@@ -458,7 +554,7 @@ def open_transport(name: str, dataset: Any, *, workers: int, seed: int = 0,
     Parameters
     ----------
     name : str
-        One of :data:`TRANSPORTS`.
+        One of :func:`transport_names`.
     dataset : object
         Map-style dataset: ``len(dataset)`` and ``dataset[i]``; its samples are
         arrays, numbers, or tuples of those.
@@ -485,9 +581,9 @@ def open_transport(name: str, dataset: Any, *, workers: int, seed: int = 0,
         If the transport's library (mploader's engine, torch) is missing.
     """
     try:
-        cls = _CLASSES[name]
+        cls = _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown transport {name!r}; expected one of {TRANSPORTS}") from None
+        raise ValueError(f"unknown transport {name!r}; expected one of {transport_names()}") from None
     if os.name != "posix" and name in ("pickle", "queue", "torch"):
         raise RuntimeError(f"transport {name!r} needs fork (POSIX)")
     return cls(dataset, workers=workers, seed=seed, prefetch=prefetch)

@@ -88,7 +88,6 @@ REFERENCE: dict[str, dict[str, float]] = {
 }
 
 COLLATE_LIMIT = "collate-limit"
-DEFAULT_TRANSPORTS = ("mploader", "pickle", "queue", "torch", COLLATE_LIMIT)
 DEFAULT_SECONDS = 1.0
 
 _CALIBRATE_SECONDS = 0.1
@@ -523,9 +522,10 @@ def run(*, workers: int = 2, repeats: int = 5, seconds: float = DEFAULT_SECONDS,
         Target duration of one timed run, in seconds (the batch count per run is
         fixed per transport from its warm-up rate, at least 10 batches).
     transports : sequence of str, optional
-        Names from :data:`mploader_bench.peers.TRANSPORTS` and/or
-        ``"collate-limit"``.  Default: mploader, pickle, queue, torch (if
-        importable) and collate-limit.
+        Names from :func:`mploader_bench.peers.transport_names` and/or
+        ``"collate-limit"``.  Default: the ``transport`` suite's transports
+        available here (mploader, pickle, queue, torch if importable), then
+        collate-limit.
     sizes : sequence of str, optional
         Keys of :data:`SIZES`.
     out_dir : path, optional
@@ -551,13 +551,13 @@ def run(*, workers: int = 2, repeats: int = 5, seconds: float = DEFAULT_SECONDS,
     out = _Out(console)
     available = set(peers.available_transports()) | {COLLATE_LIMIT}
     if transports is None:
-        names = [n for n in DEFAULT_TRANSPORTS if n in available]
+        names = [*peers.available_transports("transport"), COLLATE_LIMIT]
     else:
         names = list(dict.fromkeys(transports))
-        unknown = [n for n in names if n not in set(peers.TRANSPORTS) | {COLLATE_LIMIT}]
+        known = [*peers.transport_names(), COLLATE_LIMIT]
+        unknown = [n for n in names if n not in known]
         if unknown:
-            raise ValueError(f"unknown transports {unknown}; choose from "
-                             f"{peers.TRANSPORTS + (COLLATE_LIMIT,)}")
+            raise ValueError(f"unknown transports {unknown}; choose from {known}")
         missing = [n for n in names if n not in available]
         if missing:
             raise ValueError(f"transports not available here: {missing}")
