@@ -10,6 +10,12 @@
  * state word, and every taking-over is an acquire load (or acquire CAS) of it, so
  * whatever the previous owner wrote is visible to the next one.
  *
+ * The state word also carries MPL_WAITER (ring.h): set by the parent, in state
+ * ASSIGNED, before it sleeps in FUTEX_WAIT; the worker's E2 is a CAS that reads the
+ * word it replaces, so it sees the bit exactly when the parent may be asleep and
+ * only then makes the FUTEX_WAKE system call.  Both are read-modify-writes of the
+ * same word, so one of the two always observes the other (no lost wake-up).
+ *
  * Layout of the region (one memfd, mapped MAP_SHARED before fork):
  *   [mpl_ctl: 1 page][slot headers: nslots x 128 B, page-rounded][payloads ...]
  * Payload ranges are carved from the file by a bump allocator (ctl->file_end) so a
@@ -22,22 +28,26 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <linux/futex.h>
+#include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
-#define MPL_MAGIC 0x6d706c72696e6731ull /* "mplring1" */
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434 /* same number on every architecture */
+#endif
+
 #define MPL_CACHE_LINE 64
 #define MPL_PAGE 4096ull
-#define MPL_DEFAULT_RESERVE (16ull << 30) /* 16 GiB of address space, not memory */
-#define MPL_MAX_SLOTS 4096u
 
 /* One slot header: the state word alone on the first cache line (the only word
  * both sides touch concurrently), the metadata on the second. */
@@ -49,11 +59,12 @@ typedef struct mpl_slot_hdr {
 
 _Static_assert(sizeof(mpl_slot_hdr) == 2 * MPL_CACHE_LINE, "slot header is two cache lines");
 
-/* The control block at offset 0. */
+/* The control block at offset 0.  magic and layout_version come first and stay
+ * first in every future layout, so any version can recognise any other. */
 typedef struct mpl_ctl {
-    uint64_t magic;
+    uint64_t magic;          /* MPL_MAGIC */
+    uint32_t layout_version; /* MPL_LAYOUT_VERSION */
     uint32_t nslots;
-    uint32_t pad0_;
     uint64_t reserve_bytes;
     uint64_t headers_off;
     /* Bump allocator for payload ranges: the file's size.  Workers and the parent
@@ -61,7 +72,11 @@ typedef struct mpl_ctl {
     _Alignas(MPL_CACHE_LINE) _Atomic uint64_t file_end;
     /* Largest payload any batch needed (a sizing hint for later slots). */
     _Alignas(MPL_CACHE_LINE) _Atomic uint64_t size_hint;
+    /* FUTEX_WAKE calls made by publishers (statistics; only touched when waking). */
+    _Alignas(MPL_CACHE_LINE) _Atomic uint64_t wakes;
 } mpl_ctl;
+
+_Static_assert(sizeof(mpl_ctl) <= MPL_PAGE, "control block fits its page");
 
 static inline mpl_ctl *ctl_of(const mpl_region *r) { return (mpl_ctl *)r->base; }
 
@@ -71,10 +86,34 @@ static inline mpl_slot_hdr *hdr_of(const mpl_region *r, uint32_t slot) {
 
 static inline uint64_t round_up(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
 
+static inline uint64_t payload_start(uint32_t nslots) {
+    return round_up(MPL_PAGE + (uint64_t)nslots * sizeof(mpl_slot_hdr), MPL_PAGE);
+}
+
 static long futex(_Atomic uint32_t *addr, int op, uint32_t val, const struct timespec *ts) {
     /* Shared (not FUTEX_PRIVATE) futexes: the word lives in a MAP_SHARED mapping
      * used by several processes. */
     return syscall(SYS_futex, (uint32_t *)addr, op, val, ts, NULL, 0);
+}
+
+/* ---- cached pid ---- */
+
+/* Relaxed everywhere: the value is only ever this process's own pid, written by
+ * this process (pid_init, or the atfork child handler that runs before fork()
+ * returns in the child, when the child has a single thread). */
+static _Atomic pid_t g_pid;
+static pthread_once_t g_pid_once = PTHREAD_ONCE_INIT;
+
+static void pid_after_fork(void) { atomic_store_explicit(&g_pid, getpid(), memory_order_relaxed); }
+
+static void pid_init(void) {
+    atomic_store_explicit(&g_pid, getpid(), memory_order_relaxed);
+    (void)pthread_atfork(NULL, NULL, pid_after_fork);
+}
+
+pid_t mpl_self_pid(void) {
+    pthread_once(&g_pid_once, pid_init);
+    return atomic_load_explicit(&g_pid, memory_order_relaxed);
 }
 
 /* Fault in [p, p+n) for writing in this process.  MADV_POPULATE_WRITE (Linux 5.14)
@@ -130,20 +169,36 @@ static uint64_t carve(mpl_region *r, uint64_t n, int *err) {
     return off;
 }
 
-int mpl_region_create(mpl_region *r, uint32_t nslots, uint64_t slot_bytes, uint64_t reserve_bytes) {
+static void region_init(mpl_region *r) {
     memset(r, 0, sizeof *r);
     r->fd = -1;
-    /* Bound slot_bytes so that nslots * round_up(slot_bytes) * 4 cannot wrap. */
-    if (nslots == 0 || nslots > MPL_MAX_SLOTS || slot_bytes > (UINT64_MAX / 8) / MPL_MAX_SLOTS) {
+}
+
+int mpl_region_create(mpl_region *r, uint32_t nslots, uint64_t slot_bytes, uint64_t reserve_bytes) {
+    region_init(r);
+    if (nslots == 0 || nslots > MPL_MAX_SLOTS || slot_bytes > MPL_MAX_SLOT_BYTES ||
+        reserve_bytes > MPL_MAX_RESERVE_BYTES) {
         errno = EINVAL;
         return MPL_EINVAL;
     }
+    /* No wrap below: nslots <= 2^12, slot_stride <= 2^40. */
     uint64_t headers_off = MPL_PAGE;
-    uint64_t first_payload = round_up(headers_off + (uint64_t)nslots * sizeof(mpl_slot_hdr), MPL_PAGE);
+    uint64_t first_payload = payload_start(nslots);
     uint64_t slot_stride = round_up(slot_bytes, MPL_PAGE);
     uint64_t initial = first_payload + (uint64_t)nslots * slot_stride;
+    if (initial > MPL_MAX_RESERVE_BYTES / 4) {
+        errno = EINVAL;
+        return MPL_EINVAL;
+    }
+    /* fallocate on a memfd is not limited by anything but memory: refuse an initial
+     * size the machine cannot hold instead of waking the OOM killer. */
+    long pages = sysconf(_SC_PHYS_PAGES), psz = sysconf(_SC_PAGESIZE);
+    if (pages > 0 && psz > 0 && initial > (uint64_t)pages * (uint64_t)psz) {
+        errno = ENOMEM;
+        return MPL_ENOSPACE;
+    }
     if (reserve_bytes == 0)
-        reserve_bytes = MPL_DEFAULT_RESERVE;
+        reserve_bytes = MPL_DEFAULT_RESERVE_BYTES;
     if (reserve_bytes < 4 * initial)
         reserve_bytes = 4 * initial;
     reserve_bytes = round_up(reserve_bytes, MPL_PAGE);
@@ -169,23 +224,83 @@ int mpl_region_create(mpl_region *r, uint32_t nslots, uint64_t slot_bytes, uint6
     r->reserve_bytes = reserve_bytes;
     r->fd = fd;
     r->nslots = nslots;
+    r->payload_off = first_payload;
+    r->seen_bytes = initial;
+    (void)mpl_self_pid(); /* installs the atfork handler before any worker forks */
 
     /* Fresh memfd pages are zero: every state word already reads MPL_FREE.  No
      * other process exists yet (workers fork later), so plain initialisation is
      * enough; fork() itself orders it before anything a child does. */
     mpl_ctl *c = ctl_of(r);
     c->magic = MPL_MAGIC;
+    c->layout_version = MPL_LAYOUT_VERSION;
     c->nslots = nslots;
     c->reserve_bytes = reserve_bytes;
     c->headers_off = headers_off;
     atomic_init(&c->file_end, initial);
     atomic_init(&c->size_hint, slot_bytes);
+    atomic_init(&c->wakes, 0);
     for (uint32_t i = 0; i < nslots; i++) {
         mpl_slot_hdr *h = hdr_of(r, i);
         atomic_init(&h->state, MPL_FREE);
         h->meta.offset = first_payload + (uint64_t)i * slot_stride;
         h->meta.capacity = slot_stride;
     }
+    return MPL_OK;
+}
+
+int mpl_region_attach(mpl_region *r, int fd, uint64_t *found_magic, uint32_t *found_version) {
+    region_init(r);
+    /* pread, not a mapping: a file that is not a region (or is truncated) must give
+     * an error, not a SIGBUS. */
+    mpl_ctl c;
+    ssize_t n = pread(fd, &c, sizeof c, 0);
+    if (n < 0)
+        return MPL_ESYS;
+    if ((size_t)n < sizeof c) {
+        *found_magic = 0;
+        if ((size_t)n >= sizeof c.magic)
+            memcpy(found_magic, &c.magic, sizeof c.magic);
+        errno = EINVAL;
+        return MPL_EMAGIC;
+    }
+    *found_magic = c.magic;
+    *found_version = c.layout_version;
+    if (c.magic != MPL_MAGIC) {
+        errno = EINVAL;
+        return MPL_EMAGIC;
+    }
+    if (c.layout_version != MPL_LAYOUT_VERSION) {
+        errno = EINVAL;
+        return MPL_EVERSION;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0)
+        return MPL_ESYS;
+    uint64_t first_payload = c.nslots >= 1 && c.nslots <= MPL_MAX_SLOTS ? payload_start(c.nslots) : 0;
+    if (first_payload == 0 || c.headers_off != MPL_PAGE || c.reserve_bytes % MPL_PAGE != 0 ||
+        c.reserve_bytes < first_payload || c.reserve_bytes > MPL_MAX_RESERVE_BYTES ||
+        (uint64_t)st.st_size < first_payload) {
+        errno = EINVAL;
+        return MPL_EINVAL;
+    }
+    int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (own < 0)
+        return MPL_ESYS;
+    uint8_t *base = mmap(NULL, c.reserve_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, own, 0);
+    if (base == MAP_FAILED) {
+        int e = errno;
+        close(own);
+        errno = e;
+        return MPL_ESYS;
+    }
+    r->base = base;
+    r->reserve_bytes = c.reserve_bytes;
+    r->fd = own;
+    r->nslots = c.nslots;
+    r->payload_off = first_payload;
+    r->seen_bytes = (uint64_t)st.st_size;
+    (void)mpl_self_pid();
     return MPL_OK;
 }
 
@@ -205,6 +320,16 @@ void mpl_region_unmap(mpl_region *r) {
 }
 
 int mpl_region_populate(mpl_region *r) {
+    mpl_ctl *c = ctl_of(r);
+    if (c->magic != MPL_MAGIC) {
+        errno = EINVAL;
+        return MPL_EMAGIC;
+    }
+    if (c->layout_version != MPL_LAYOUT_VERSION) {
+        errno = EINVAL;
+        return MPL_EVERSION;
+    }
+    (void)mpl_self_pid();
     /* Walk the file's allocated ranges (SEEK_DATA/SEEK_HOLE) rather than [0,
      * file_end): ranges released by mpl_slot_grow are holes and must stay holes, and
      * file_end may already count a range another process has carved but not yet
@@ -253,13 +378,24 @@ void mpl_region_note_size(mpl_region *r, uint64_t need) {
     }
 }
 
+void mpl_region_set_size_hint(mpl_region *r, uint64_t n) {
+    /* Relaxed: a hint, publishes nothing else. */
+    atomic_store_explicit(&ctl_of(r)->size_hint, n, memory_order_relaxed);
+}
+
+uint64_t mpl_region_wake_count(const mpl_region *r) {
+    /* Relaxed: statistics only. */
+    return atomic_load_explicit(&ctl_of(r)->wakes, memory_order_relaxed);
+}
+
 /* ---- parent side ---- */
 
 int mpl_find_free(mpl_region *r, uint32_t start) {
     for (uint32_t k = 0; k < r->nslots; k++) {
         uint32_t i = (start + k) % r->nslots;
-        /* Acquire pairs with the release store of E4 (lease death, possibly on
-         * another thread of the parent): the slot's previous use is over. */
+        /* Acquire pairs with the release CAS of E4 (lease death, possibly on
+         * another thread of the parent): the slot's previous use is over.  A FREE
+         * word never carries MPL_WAITER. */
         if (atomic_load_explicit(&hdr_of(r, i)->state, memory_order_acquire) == MPL_FREE)
             return (int)i;
     }
@@ -293,12 +429,13 @@ int mpl_slot_assign(mpl_region *r, uint32_t slot, uint64_t seq) {
 
 static int take_ready(mpl_slot_hdr *h) {
     uint32_t expect = MPL_READY;
-    /* E3: acquire on success pairs with the worker's release store in E2 and makes
-     * the payload and meta it wrote visible to the parent. */
+    /* E3: acquire on success pairs with the worker's release CAS in E2 and makes
+     * the payload and meta it wrote visible to the parent.  (A READY word never
+     * carries MPL_WAITER: E2 stores plain READY.) */
     if (atomic_compare_exchange_strong_explicit(&h->state, &expect, MPL_LEASED, memory_order_acquire,
                                                 memory_order_relaxed))
         return MPL_OK;
-    return expect == MPL_ASSIGNED ? MPL_ETIMEDOUT : MPL_ESTATE;
+    return (expect & MPL_STATE_MASK) == MPL_ASSIGNED ? MPL_ETIMEDOUT : MPL_ESTATE;
 }
 
 int mpl_slot_wait(mpl_region *r, uint32_t slot, int64_t timeout_ns) {
@@ -306,10 +443,10 @@ int mpl_slot_wait(mpl_region *r, uint32_t slot, int64_t timeout_ns) {
         return MPL_EINVAL;
     mpl_slot_hdr *h = hdr_of(r, slot);
     int rc = take_ready(h);
-    if (rc != MPL_ETIMEDOUT)
+    if (rc != MPL_ETIMEDOUT || timeout_ns == 0)
         return rc;
     struct timespec deadline, now, rel;
-    if (timeout_ns >= 0) {
+    if (timeout_ns > 0) {
         clock_gettime(CLOCK_MONOTONIC, &deadline);
         deadline.tv_sec += timeout_ns / 1000000000;
         deadline.tv_nsec += timeout_ns % 1000000000;
@@ -320,7 +457,7 @@ int mpl_slot_wait(mpl_region *r, uint32_t slot, int64_t timeout_ns) {
     }
     for (;;) {
         const struct timespec *tsp = NULL;
-        if (timeout_ns >= 0) {
+        if (timeout_ns > 0) {
             clock_gettime(CLOCK_MONOTONIC, &now);
             int64_t left = (int64_t)(deadline.tv_sec - now.tv_sec) * 1000000000 + (deadline.tv_nsec - now.tv_nsec);
             if (left <= 0)
@@ -329,16 +466,88 @@ int mpl_slot_wait(mpl_region *r, uint32_t slot, int64_t timeout_ns) {
             rel.tv_nsec = left % 1000000000;
             tsp = &rel;
         }
-        /* Sleeps only while the word still reads ASSIGNED (the kernel compares
-         * atomically with the sleep), so a publish between take_ready and here
-         * cannot be missed. */
-        if (futex(&h->state, FUTEX_WAIT, MPL_ASSIGNED, tsp) != 0 && errno != EAGAIN && errno != EINTR &&
-            errno != ETIMEDOUT)
-            return MPL_ESYS;
+        /* Announce the sleeper: ASSIGNED -> ASSIGNED|WAITER.  Relaxed: the bit
+         * carries no data; what matters is that this RMW and the worker's E2 CAS
+         * are ordered in the word's modification order, so either E2 came first
+         * (this CAS fails, we see READY below) or E2 reads the bit and wakes us. */
+        uint32_t cur = MPL_ASSIGNED;
+        if (atomic_compare_exchange_strong_explicit(&h->state, &cur, MPL_ASSIGNED | MPL_WAITER,
+                                                    memory_order_relaxed, memory_order_relaxed) ||
+            cur == (MPL_ASSIGNED | MPL_WAITER)) {
+            /* Sleeps only while the word still reads ASSIGNED|WAITER (the kernel
+             * compares atomically with the sleep), so a publish between the CAS
+             * and here cannot be missed. */
+            if (futex(&h->state, FUTEX_WAIT, MPL_ASSIGNED | MPL_WAITER, tsp) != 0 && errno != EAGAIN &&
+                errno != EINTR && errno != ETIMEDOUT)
+                return MPL_ESYS;
+        }
         rc = take_ready(h);
         if (rc != MPL_ETIMEDOUT)
             return rc;
     }
+}
+
+uint32_t mpl_slot_check(mpl_region *r, const mpl_slot_meta *m) {
+    if (m->kind != MPL_KIND_SLOT && m->kind != MPL_KIND_PIPE && m->kind != MPL_KIND_ERROR)
+        return MPL_FIELD_KIND;
+    if (m->offset % MPL_PAGE != 0 || m->offset < r->payload_off || m->offset > r->reserve_bytes)
+        return MPL_FIELD_OFFSET;
+    if (m->capacity % MPL_PAGE != 0 || m->capacity > r->reserve_bytes - m->offset)
+        return MPL_FIELD_CAPACITY;
+    uint64_t end = m->offset + m->capacity;
+    if (end > r->seen_bytes) {
+        /* The file only grows (fallocate mode 0; holes keep its size), and a worker
+         * fallocates a range before publishing it: read the true size from the
+         * kernel, not from the shared control block a stray writer could change. */
+        struct stat st;
+        if (r->fd < 0)
+            return MPL_FIELD_UNCHECKED;
+        if (fstat(r->fd, &st) == 0 && (uint64_t)st.st_size > r->seen_bytes)
+            r->seen_bytes = (uint64_t)st.st_size;
+        if (m->offset > r->seen_bytes)
+            return MPL_FIELD_OFFSET;
+        if (end > r->seen_bytes)
+            return MPL_FIELD_CAPACITY;
+    }
+    if (m->used > m->capacity)
+        return MPL_FIELD_USED;
+    if (m->desc_off > m->used)
+        return MPL_FIELD_DESC_OFF;
+    if (m->desc_len > m->used - m->desc_off)
+        return MPL_FIELD_DESC_LEN;
+    return MPL_FIELD_NONE;
+}
+
+int mpl_slot_take(mpl_region *r, uint32_t slot, int64_t timeout_ns, mpl_slot_meta *snap, uint32_t *bad_field) {
+    *bad_field = MPL_FIELD_NONE;
+    int rc = mpl_slot_wait(r, slot, timeout_ns);
+    if (rc != MPL_OK)
+        return rc;
+    /* LEASED: the header is ours (E3's acquire made the worker's writes visible);
+     * a stray writer could still change it, so check the copy we will use. */
+    mpl_slot_hdr *h = hdr_of(r, slot);
+    *snap = h->meta;
+    uint32_t bad = mpl_slot_check(r, snap);
+    if (bad == MPL_FIELD_NONE)
+        return MPL_OK;
+    if (bad == MPL_FIELD_UNCHECKED) {
+        (void)mpl_slot_release(r, slot); /* E4: not read, given back as it is */
+        errno = EBADF;
+        return MPL_ESYS;
+    }
+    *bad_field = bad;
+    if (bad == MPL_FIELD_OFFSET || bad == MPL_FIELD_CAPACITY) {
+        /* The range cannot be trusted (nor given back): start the slot over empty;
+         * its next worker grows it.  Offset payload_off with capacity 0 is valid. */
+        h->meta.offset = r->payload_off;
+        h->meta.capacity = 0;
+    }
+    h->meta.used = 0;
+    h->meta.desc_off = 0;
+    h->meta.desc_len = 0;
+    h->meta.kind = MPL_KIND_NONE;
+    (void)mpl_slot_release(r, slot); /* E4: the header writes above are published by it */
+    return MPL_ECORRUPT;
 }
 
 int mpl_slot_release(mpl_region *r, uint32_t slot) {
@@ -357,23 +566,28 @@ int mpl_slot_reclaim(mpl_region *r, uint32_t slot) {
     if (slot >= r->nslots)
         return MPL_EINVAL;
     mpl_slot_hdr *h = hdr_of(r, slot);
-    uint32_t expect = MPL_ASSIGNED;
     /* E5: the worker holding the slot is dead (the parent reaped it first), so no
-     * write can race; acq_rel orders any of its writes we might have observed. */
-    if (atomic_compare_exchange_strong_explicit(&h->state, &expect, MPL_FREE, memory_order_acq_rel,
-                                                memory_order_relaxed))
-        return MPL_OK;
-    /* A worker that published and then died: its batch is abandoned too. */
-    expect = MPL_READY;
-    if (atomic_compare_exchange_strong_explicit(&h->state, &expect, MPL_FREE, memory_order_acq_rel,
-                                                memory_order_relaxed))
-        return MPL_OK;
-    return MPL_ESTATE;
+     * write can race; acquire load and acq_rel CAS order any of its writes we might
+     * have observed.  ASSIGNED may carry MPL_WAITER (a wait that timed out). */
+    uint32_t cur = atomic_load_explicit(&h->state, memory_order_acquire);
+    for (;;) {
+        uint32_t st = cur & MPL_STATE_MASK;
+        if (st != MPL_ASSIGNED && st != MPL_READY) /* READY: published, then died; abandoned too */
+            return MPL_ESTATE;
+        if (atomic_compare_exchange_weak_explicit(&h->state, &cur, MPL_FREE, memory_order_acq_rel,
+                                                  memory_order_acquire))
+            return MPL_OK;
+    }
 }
 
 uint32_t mpl_slot_state(const mpl_region *r, uint32_t slot) {
     /* Acquire: diagnostics read the meta after this, as the parent would. */
-    return atomic_load_explicit(&hdr_of(r, slot)->state, memory_order_acquire);
+    return atomic_load_explicit(&hdr_of(r, slot)->state, memory_order_acquire) & MPL_STATE_MASK;
+}
+
+uint32_t mpl_slot_word(const mpl_region *r, uint32_t slot) {
+    /* Relaxed: tests look at the bits only. */
+    return atomic_load_explicit(&hdr_of(r, slot)->state, memory_order_relaxed);
 }
 
 mpl_slot_meta *mpl_slot_meta_of(mpl_region *r, uint32_t slot) { return &hdr_of(r, slot)->meta; }
@@ -386,19 +600,24 @@ int mpl_slot_begin(mpl_region *r, uint32_t slot, uint64_t seq) {
     if (slot >= r->nslots)
         return MPL_EINVAL;
     mpl_slot_hdr *h = hdr_of(r, slot);
-    /* Acquire pairs with the parent's release store in mpl_slot_assign: the seq,
+    /* Acquire pairs with the parent's release CAS in mpl_slot_assign: the seq,
      * offset and capacity the parent wrote are visible from here on. */
-    if (atomic_load_explicit(&h->state, memory_order_acquire) != MPL_ASSIGNED || h->meta.seq != seq)
+    uint32_t st = atomic_load_explicit(&h->state, memory_order_acquire) & MPL_STATE_MASK;
+    if (st != MPL_ASSIGNED || h->meta.seq != seq)
         return MPL_ESTATE;
     return MPL_OK;
+}
+
+static int held_assigned(mpl_slot_hdr *h) {
+    /* Acquire: the caller must hold the slot ASSIGNED (pairs with E1's release). */
+    return (atomic_load_explicit(&h->state, memory_order_acquire) & MPL_STATE_MASK) == MPL_ASSIGNED;
 }
 
 int mpl_slot_grow(mpl_region *r, uint32_t slot, uint64_t need, uint64_t preserve) {
     if (slot >= r->nslots)
         return MPL_EINVAL;
     mpl_slot_hdr *h = hdr_of(r, slot);
-    /* Acquire: the caller must hold the slot ASSIGNED (pairs with E1's release). */
-    if (atomic_load_explicit(&h->state, memory_order_acquire) != MPL_ASSIGNED)
+    if (!held_assigned(h))
         return MPL_ESTATE;
     mpl_slot_meta *m = &h->meta;
     if (preserve > m->capacity)
@@ -423,6 +642,24 @@ int mpl_slot_grow(mpl_region *r, uint32_t slot, uint64_t need, uint64_t preserve
     return MPL_OK;
 }
 
+int mpl_slot_shrink(mpl_region *r, uint32_t slot, uint64_t need) {
+    if (slot >= r->nslots)
+        return MPL_EINVAL;
+    mpl_slot_hdr *h = hdr_of(r, slot);
+    if (!held_assigned(h))
+        return MPL_ESTATE;
+    mpl_slot_meta *m = &h->meta;
+    if (need >= m->capacity)
+        return MPL_OK;
+    uint64_t keep = round_up(need, MPL_PAGE); /* <= capacity, which is page-aligned */
+    if (keep < m->capacity &&
+        fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(m->offset + keep),
+                  (off_t)(m->capacity - keep)) != 0)
+        return MPL_ESYS;
+    m->capacity = keep;
+    return MPL_OK;
+}
+
 int mpl_slot_publish(mpl_region *r, uint32_t slot, uint32_t kind, uint32_t flags, uint64_t used, uint64_t desc_off,
                      uint64_t desc_len) {
     if (slot >= r->nslots)
@@ -430,8 +667,10 @@ int mpl_slot_publish(mpl_region *r, uint32_t slot, uint32_t kind, uint32_t flags
     mpl_slot_hdr *h = hdr_of(r, slot);
     /* Only the worker holding the slot ASSIGNED may write its header: check before
      * writing (acquire pairs with E1's release).  Nobody else can move the slot out
-     * of ASSIGNED meanwhile except E5, which happens only after we are dead. */
-    if (atomic_load_explicit(&h->state, memory_order_acquire) != MPL_ASSIGNED)
+     * of ASSIGNED meanwhile except E5, which happens only after we are dead; the
+     * parent may only add MPL_WAITER. */
+    uint32_t cur = atomic_load_explicit(&h->state, memory_order_acquire);
+    if ((cur & MPL_STATE_MASK) != MPL_ASSIGNED)
         return MPL_ESTATE;
     if (used > h->meta.capacity || desc_off > used || desc_len > used - desc_off)
         return MPL_EINVAL;
@@ -440,23 +679,69 @@ int mpl_slot_publish(mpl_region *r, uint32_t slot, uint32_t kind, uint32_t flags
     h->meta.used = used;
     h->meta.desc_off = desc_off;
     h->meta.desc_len = desc_len;
-    h->meta.worker_pid = (int32_t)getpid();
-    uint32_t expect = MPL_ASSIGNED;
+    h->meta.worker_pid = (int32_t)mpl_self_pid();
     /* E2: release on success publishes the payload and every meta field above to
-     * the parent's acquire CAS in take_ready. */
-    if (!atomic_compare_exchange_strong_explicit(&h->state, &expect, MPL_READY, memory_order_release,
-                                                 memory_order_relaxed))
-        return MPL_ESTATE;
-    futex(&h->state, FUTEX_WAKE, 1, NULL);
+     * the parent's acquire CAS in take_ready.  On failure `cur` is reloaded
+     * (relaxed: we only look at the bits) and we retry while the only change is the
+     * parent's MPL_WAITER. */
+    while (!atomic_compare_exchange_weak_explicit(&h->state, &cur, MPL_READY, memory_order_release,
+                                                  memory_order_relaxed)) {
+        if ((cur & MPL_STATE_MASK) != MPL_ASSIGNED)
+            return MPL_ESTATE;
+    }
+    if (cur & MPL_WAITER) {
+        /* Relaxed: a statistics counter. */
+        atomic_fetch_add_explicit(&ctl_of(r)->wakes, 1, memory_order_relaxed);
+        futex(&h->state, FUTEX_WAKE, INT_MAX, NULL);
+    }
     return MPL_OK;
 }
 
-int mpl_set_pdeathsig(int sig, pid_t expected_ppid) {
-    if (prctl(PR_SET_PDEATHSIG, sig) != 0)
+/* ---- parent watch ---- */
+
+static void *watch_parent_thread(void *arg) {
+    int pfd = (int)(intptr_t)arg;
+    struct pollfd p = {.fd = pfd, .events = POLLIN, .revents = 0};
+    for (;;) {
+        int n = poll(&p, 1, -1);
+        if (n > 0)
+            break; /* POLLIN: the process exited (or POLLNVAL/POLLERR: cannot watch; act as gone) */
+        if (n < 0 && errno != EINTR)
+            break;
+    }
+    kill(getpid(), SIGKILL);
+    _exit(1); /* not reached */
+}
+
+int mpl_watch_parent(pid_t parent_pid) {
+    int pfd = (int)syscall(SYS_pidfd_open, parent_pid, 0); /* O_CLOEXEC is implied */
+    if (pfd < 0) {
+        if (errno == ESRCH)
+            _exit(1); /* already gone and reaped */
         return MPL_ESYS;
-    /* The parent may have died between fork() and prctl(): then we were already
-     * re-parented and no signal will come. */
-    if (getppid() != expected_ppid)
-        _exit(1);
+    }
+    struct pollfd p = {.fd = pfd, .events = POLLIN, .revents = 0};
+    if (poll(&p, 1, 0) > 0)
+        _exit(1); /* already exited (a zombie not reaped yet) */
+    /* The watcher thread inherits a full signal mask: signals meant for the worker
+     * (SIGINT, SIGTERM handlers) are never delivered to it. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pthread_attr_t attr;
+    pthread_t t;
+    int rc = pthread_attr_init(&attr);
+    if (rc == 0) {
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 64 * 1024);
+        rc = pthread_create(&t, &attr, watch_parent_thread, (void *)(intptr_t)pfd);
+        pthread_attr_destroy(&attr);
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0) {
+        close(pfd);
+        errno = rc;
+        return MPL_ESYS;
+    }
     return MPL_OK;
 }

@@ -22,13 +22,28 @@
 extern "C" {
 #endif
 
-/* Slot states (docs/design.md, "Slot protocol"). */
+/* Slot states (docs/design.md, "Slot protocol"): the low byte of the state word. */
 enum {
     MPL_FREE = 0,     /* owned by the parent's allocator */
     MPL_ASSIGNED = 1, /* handed to one worker, which may write the payload */
     MPL_READY = 2,    /* published by that worker; payload and header are final */
     MPL_LEASED = 3    /* read by the parent; returns to FREE when its lease dies */
 };
+
+/* Bits of the state word besides the state.  MPL_WAITER is set (only in state
+ * ASSIGNED) by the parent before it sleeps on the word with FUTEX_WAIT; the
+ * publishing worker makes the FUTEX_WAKE system call only when it finds the bit
+ * set.  A slot that is READY before the parent looks costs no system call. */
+#define MPL_STATE_MASK 0xffu
+#define MPL_WAITER 0x100u
+
+/* Limits (the Python layer checks user arguments against the same numbers). */
+#define MPL_MAX_SLOTS 4096u
+#define MPL_MAX_SLOT_BYTES (1ull << 40)     /* 1 TiB per slot */
+#define MPL_MAX_RESERVE_BYTES (1ull << 46)  /* 64 TiB of address space (x86-64 user space is 128 TiB) */
+#define MPL_DEFAULT_RESERVE_BYTES (16ull << 30)
+#define MPL_MAGIC 0x6d706c72696e6731ull   /* "mplring1", first word of the control block */
+#define MPL_LAYOUT_VERSION 2u               /* bump when mpl_ctl or the slot header changes */
 
 /* What a READY slot carries (mpl_slot_meta.kind). */
 enum {
@@ -45,7 +60,23 @@ enum {
     MPL_ESTATE = -2,    /* the slot was not in the state this edge starts from */
     MPL_ENOSPACE = -3,  /* the region's reservation is exhausted */
     MPL_ESYS = -4,      /* a system call failed; errno says which */
-    MPL_EINVAL = -5     /* argument out of range */
+    MPL_EINVAL = -5,    /* argument out of range (or, for attach, a control block field) */
+    MPL_EMAGIC = -6,    /* attach/populate: the file does not start with the region's magic */
+    MPL_EVERSION = -7,  /* attach/populate: written by another layout version of this library */
+    MPL_ECORRUPT = -8   /* mpl_slot_take: the READY slot's header failed validation */
+};
+
+/* Which header field failed validation (mpl_slot_check, mpl_slot_take). */
+enum {
+    MPL_FIELD_NONE = 0,
+    MPL_FIELD_KIND = 1,     /* not SLOT, PIPE or ERROR */
+    MPL_FIELD_OFFSET = 2,   /* not page-aligned, inside the control block/headers, or past the file */
+    MPL_FIELD_CAPACITY = 3, /* not page-aligned, or offset + capacity past the file or the reservation */
+    MPL_FIELD_USED = 4,     /* used > capacity */
+    MPL_FIELD_DESC_OFF = 5, /* desc_off > used */
+    MPL_FIELD_DESC_LEN = 6, /* desc_off + desc_len > used */
+    MPL_FIELD_UNCHECKED = 7 /* the range ends past the file size seen so far and the memfd is
+                             * closed, so it cannot be checked (mpl_slot_take: MPL_ESYS, EBADF) */
 };
 
 /* Header fields of one slot that are not atomics.  They are written only by the
@@ -75,16 +106,31 @@ typedef struct mpl_region {
     uint64_t reserve_bytes; /* length of the mapping (address space reserved) */
     int fd;                 /* the memfd, or -1 once closed */
     uint32_t nslots;
+    uint64_t payload_off;   /* first payload byte: the control block and headers lie below */
+    uint64_t seen_bytes;    /* file size this process last saw (fstat); only grows; used by
+                             * the receiving thread's header checks (mpl_slot_check) */
 } mpl_region;
 
 /* Create a region of `nslots` slots with `slot_bytes` of payload each (0 allowed:
  * slots are then sized on first use by mpl_slot_grow), inside a mapping of
  * `reserve_bytes` of address space (0 picks 16 GiB; raised to at least 4x the
  * initial size).  All pages are faulted in.
- * On success returns 0 and fills *r; on failure returns MPL_ESYS or MPL_EINVAL
- * with errno set and leaves nothing behind. */
+ * On success returns 0 and fills *r; on failure returns MPL_EINVAL (nslots not in
+ * 1..MPL_MAX_SLOTS, slot_bytes > MPL_MAX_SLOT_BYTES, reserve_bytes or 4x the initial
+ * size > MPL_MAX_RESERVE_BYTES), MPL_ENOSPACE (the initial size exceeds physical
+ * memory) or MPL_ESYS (errno set), and leaves r->fd == -1, r->base == NULL. */
 int mpl_region_create(mpl_region *r, uint32_t nslots, uint64_t slot_bytes,
                       uint64_t reserve_bytes);
+
+/* Map an existing region from its memfd `fd` (a spawned worker that received it).
+ * Reads the control block with pread first (no mapping of a file that is not a
+ * region), checks magic, layout version and layout fields, then maps a duplicate
+ * of fd (F_DUPFD_CLOEXEC; the caller keeps and closes its own fd).
+ * On success returns 0 and fills *r.  On failure leaves r->fd == -1, r->base ==
+ * NULL and returns MPL_EMAGIC (*found_magic set), MPL_EVERSION (*found_version
+ * set), MPL_EINVAL (nslots/reserve/headers fields out of range, or the file is
+ * shorter than the headers) or MPL_ESYS (errno). */
+int mpl_region_attach(mpl_region *r, int fd, uint64_t *found_magic, uint32_t *found_version);
 
 /* Close the memfd (the mapping stays valid).  Idempotent. */
 void mpl_region_close_fd(mpl_region *r);
@@ -94,7 +140,8 @@ void mpl_region_unmap(mpl_region *r);
 
 /* Fault in every allocated page of the region in this process (for workers after
  * fork, whose page tables start empty); holes left by mpl_slot_grow stay holes.
- * Returns 0 or MPL_ESYS. */
+ * Checks the control block's magic and layout version first.
+ * Returns 0, MPL_EMAGIC, MPL_EVERSION or MPL_ESYS. */
 int mpl_region_populate(mpl_region *r);
 
 /* Bytes of the memfd in use (its size), for stats. */
@@ -102,7 +149,17 @@ uint64_t mpl_region_file_bytes(const mpl_region *r);
 
 /* Largest payload any worker has needed so far (a sizing hint, bytes). */
 uint64_t mpl_region_size_hint(const mpl_region *r);
+/* Raise the hint to `need` (atomic max). */
 void mpl_region_note_size(mpl_region *r, uint64_t need);
+/* Set the hint to `n`, lower or higher (the outlier policy lowers it). */
+void mpl_region_set_size_hint(mpl_region *r, uint64_t n);
+
+/* How many FUTEX_WAKE calls publishers of this region made (statistics, tests). */
+uint64_t mpl_region_wake_count(const mpl_region *r);
+
+/* This process's pid, cached (refreshed in the child by a pthread_atfork handler,
+ * so it is right after fork() without a getpid() system call per batch). */
+pid_t mpl_self_pid(void);
 
 /* ---- parent side ---- */
 
@@ -118,6 +175,23 @@ int mpl_slot_assign(mpl_region *r, uint32_t slot, uint64_t seq);
  * MPL_ESTATE (slot neither ASSIGNED nor READY) or MPL_ESYS. */
 int mpl_slot_wait(mpl_region *r, uint32_t slot, int64_t timeout_ns);
 
+/* Wait as mpl_slot_wait, take E3, copy the header into *snap and validate it
+ * (mpl_slot_check).  Returns 0 (LEASED, *snap valid), MPL_ETIMEDOUT, MPL_ESTATE,
+ * MPL_ESYS (EBADF: a grown range cannot be checked because the memfd is closed;
+ * the slot is returned to FREE), or MPL_ECORRUPT: *bad_field names the field (snap holds the bad
+ * values); the slot's payload range is reset to empty if offset or capacity was
+ * bad, and the slot is returned to FREE (E4), so nothing leaks and the next batch
+ * in it gets a fresh range from its worker's grow. */
+int mpl_slot_take(mpl_region *r, uint32_t slot, int64_t timeout_ns, mpl_slot_meta *snap,
+                  uint32_t *bad_field);
+
+/* Validate a header copy for reading through this process's mapping: kind, page
+ * alignment, payload range inside [payload_off, file size) and the reservation,
+ * used <= capacity, the descriptor inside [0, used).  May fstat the memfd once
+ * when the range ends past the file size seen so far (growth).  Returns
+ * MPL_FIELD_NONE or the first bad MPL_FIELD_*.  Receiving thread only. */
+uint32_t mpl_slot_check(mpl_region *r, const mpl_slot_meta *m);
+
 /* Edge E4, LEASED -> FREE.  Returns 0 or MPL_ESTATE. */
 int mpl_slot_release(mpl_region *r, uint32_t slot);
 
@@ -126,8 +200,10 @@ int mpl_slot_release(mpl_region *r, uint32_t slot);
  * Returns 0 or MPL_ESTATE. */
 int mpl_slot_reclaim(mpl_region *r, uint32_t slot);
 
-/* Current state word (acquire load), for diagnostics and tests. */
+/* Current state (acquire load, MPL_WAITER masked off), for diagnostics and tests. */
 uint32_t mpl_slot_state(const mpl_region *r, uint32_t slot);
+/* The raw state word, waiter bit included (tests). */
+uint32_t mpl_slot_word(const mpl_region *r, uint32_t slot);
 
 /* Header of a slot.  Valid to read by the parent once mpl_slot_wait returned 0,
  * and by the worker while it holds the slot ASSIGNED. */
@@ -151,17 +227,26 @@ int mpl_slot_begin(mpl_region *r, uint32_t slot, uint64_t seq);
  * slot is not ASSIGNED) or MPL_ESYS. */
 int mpl_slot_grow(mpl_region *r, uint32_t slot, uint64_t need, uint64_t preserve);
 
+/* Shrink an ASSIGNED slot's payload in place to round_up(need, page) bytes (0
+ * allowed), returning the tail's memory to the kernel (FALLOC_FL_PUNCH_HOLE).  The
+ * first `need` bytes stay where they are; no address space is used.  A `need` at
+ * or above the capacity changes nothing.  Returns 0, MPL_ESTATE (not ASSIGNED) or
+ * MPL_ESYS (the slot is unchanged). */
+int mpl_slot_shrink(mpl_region *r, uint32_t slot, uint64_t need);
+
 /* Edge E2, ASSIGNED -> READY: publish the header fields and payload written so
- * far, and wake the parent.  Returns 0, MPL_ESTATE (not ASSIGNED; the header is
+ * far, and wake the parent if it sleeps on the slot (MPL_WAITER).  Returns 0, MPL_ESTATE (not ASSIGNED; the header is
  * left untouched) or MPL_EINVAL (used > capacity, or the descriptor outside
  * [0, used)). */
 int mpl_slot_publish(mpl_region *r, uint32_t slot, uint32_t kind, uint32_t flags,
                      uint64_t used, uint64_t desc_off, uint64_t desc_len);
 
-/* In a freshly forked worker: ask the kernel to send `sig` when the parent dies,
- * then exit at once if the parent (expected_ppid) is already gone.
- * Returns 0 or MPL_ESYS. */
-int mpl_set_pdeathsig(int sig, pid_t expected_ppid);
+/* In a worker: watch the parent *process* `parent_pid` (not the thread that forked
+ * us, unlike PR_SET_PDEATHSIG) through a pidfd polled by a detached thread, which
+ * SIGKILLs this process as soon as the parent has exited.  Exits at once (_exit(1))
+ * if the parent is already gone.  Returns 0 or MPL_ESYS (pidfd_open or
+ * pthread_create failed; errno set). */
+int mpl_watch_parent(pid_t parent_pid);
 
 #ifdef __cplusplus
 }

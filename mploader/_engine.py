@@ -124,7 +124,7 @@ class _Worker:
 
 
 class _Task:
-    __slots__ = ("seq", "slot", "worker", "epoch", "batch_index", "indices", "stale", "generation")
+    __slots__ = ("seq", "slot", "worker", "epoch", "batch_index", "indices", "stale", "generation", "lease")
 
     def __init__(self, seq, slot, worker, epoch, batch_index, indices, generation=0):
         self.generation = generation
@@ -135,6 +135,7 @@ class _Task:
         self.batch_index = batch_index
         self.indices = indices
         self.stale = False
+        self.lease: list = []  # the SlotLease once taken (Region.wait appends it)
 
 
 class _Resources:
@@ -321,7 +322,7 @@ class Engine:
         res = self._res
         if res.region is None:
             slot_bytes = self.shared_mem if self.shared_mem is not None else 0
-            res.region = _ring.Region(self.num_slots, slot_bytes)
+            res.region = _ring.create_region(self.num_slots, slot_bytes)
         live = []
         for w in res.workers:
             # A worker that died between runs (e.g. its forking thread ended and
@@ -425,7 +426,7 @@ class Engine:
         warned = False
         while True:
             if task.slot >= 0:
-                if region.wait(task.slot, POLL_S):
+                if task.lease or region.wait(task.slot, POLL_S, task.lease):
                     break
             elif task.seq in task.worker.mailbox or (self._pump(task.worker, POLL_S)
                                                       and task.seq in task.worker.mailbox):
@@ -446,24 +447,23 @@ class Engine:
 
     def _consume(self, task: _Task) -> Any:
         """Turn a ready task into its batch (or re-raise its worker's exception)."""
-        region = self._res.region
         self._finish_task(task)
         self._stats["batches"] += 1
         if task.slot < 0:
             return self._from_pipe(task)
-        seq, kind, flags, used, desc_off, desc_len, pid, cap, grows = region.meta(task.slot)
+        lease = task.lease.pop()
+        seq, kind, flags, desc_off, desc_len = lease.seq, lease.kind, lease.flags, lease.desc_off, lease.desc_len
         if seq != task.seq:
-            region.release(task.slot)
+            del lease
             raise RuntimeError(f"slot {task.slot} holds batch {seq}, expected {task.seq}")
         if flags & _ring.FLAG_GROWN:
             self._stats["grown"] += 1
         if kind == _ring.KIND_PIPE:
-            region.release(task.slot)
+            del lease
             while task.seq not in task.worker.mailbox:
                 if not self._pump(task.worker, POLL_S):
                     self._check_health(task)
             return self._from_pipe(task)
-        lease = region.lease(task.slot)
         if kind == _ring.KIND_ERROR:
             record = decode(lease, desc_off, desc_len, copy=True)
             del lease
@@ -567,9 +567,8 @@ class Engine:
         for t in self._stale:
             w = t.worker
             if t.slot >= 0:
-                if region.wait(t.slot, 0):
-                    kind = region.meta(t.slot)[1]
-                    region.release(t.slot)
+                if t.lease or region.wait(t.slot, 0, t.lease):
+                    kind = t.lease.pop().kind
                     self._finish_task(t)
                     if kind == _ring.KIND_PIPE:
                         self._stale_pipe.add(t.seq)

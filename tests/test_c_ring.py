@@ -2,7 +2,8 @@
 
 The C program is a standalone test of the slot protocol (see its header comment):
 ``phase=contract`` checks every edge's error returns, grow/ENOSPACE, reclaim after a
-dead worker, populate and pdeathsig; ``phase=stress`` runs forked (or threaded)
+dead worker, populate, watch_parent, the waiter bit, shrink, header validation at
+take, attach (magic/version) and the cached pid; ``phase=stress`` runs forked (or threaded)
 workers against the parent through many batches and checks every header and
 payload byte.  No Python extension is involved.
 """

@@ -9,7 +9,10 @@
  *
  * phase "contract": single-process (plus a few short-lived children) checks of
  * every edge's error returns, find_free, grow/ENOSPACE, reclaim after a worker
- * died, populate, pdeathsig.  Failures there are all reported (the run goes on),
+ * died, populate, watch_parent (survives its forking thread, dies with its parent
+ * process), the waiter bit (no FUTEX_WAKE without a sleeper), shrink and the size
+ * hint, header validation at take (each corrupt field), attach with its magic and
+ * version checks, the cached pid after fork.  Failures there are all reported (the run goes on),
  * and the exit status is 1 if any occurred.
  *
  * phase "stress": the parent creates a region, starts WORKERS workers (forked
@@ -897,97 +900,467 @@ static void contract_populate(void) {
     mpl_region_unmap(&r);
 }
 
-/* pdeathsig: a worker whose parent dies gets the signal; one whose parent is
- * already gone exits at once. */
-static void contract_pdeathsig(void) {
-    snprintf(g_who, sizeof g_who, "contract/pdeathsig");
+/* ---- watch_parent ------------------------------------------------------ */
+
+typedef struct {
+    int life_w;   /* the worker holds it open: EOF on the read end = the worker is dead */
+    int hold_r;   /* the worker blocks reading it */
+    int ping_r;   /* byte from the middle process: "your forking thread is gone, answer" */
+    int pong_w;   /* the worker's answer */
+    int info_w;   /* middle -> test: the worker's pid */
+    int from_thread;
+} watch_args_t;
+
+static void watch_worker(watch_args_t *a, pid_t parent) {
+    if (mpl_watch_parent(parent) != MPL_OK)
+        _exit(10);
+    char c = 1;
+    if (a->from_thread) {
+        /* The thread that forked us has exited by the time the ping comes. */
+        if (read(a->ping_r, &c, 1) != 1)
+            _exit(12);
+        if (write(a->pong_w, &c, 1) != 1)
+            _exit(13);
+    }
+    ssize_t n = read(a->hold_r, &c, 1); /* blocks until killed, or the test gives up */
+    (void)n;
+    _exit(11);
+}
+
+static void *watch_fork_thread(void *arg) {
+    watch_args_t *a = arg;
+    pid_t parent = getpid();
+    pid_t b = fork();
+    if (b == 0)
+        watch_worker(a, parent);
+    if (b < 0 || write(a->info_w, &b, sizeof b) != (ssize_t)sizeof b)
+        _exit(8);
+    return NULL; /* the forking thread ends: PR_SET_PDEATHSIG would fire here */
+}
+
+/* watch_parent: the worker survives the exit of the *thread* that forked it, dies
+ * (SIGKILL) within 1 s of its parent *process*, and exits at once when the parent is
+ * already gone (reaped, or a zombie). */
+static void contract_watch_parent(void) {
+    snprintf(g_who, sizeof g_who, "contract/watch-parent");
     if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0)
         die_sys("prctl(PR_SET_CHILD_SUBREAPER)");
-    int info[2], life[2], hold[2], ab[2];
-    if (pipe(info) != 0 || pipe(life) != 0 || pipe(hold) != 0 || pipe(ab) != 0)
+    int info[2], life[2], hold[2], ping[2], pong[2], go[2];
+    if (pipe(info) != 0 || pipe(life) != 0 || pipe(hold) != 0 || pipe(ping) != 0 || pipe(pong) != 0 ||
+        pipe(go) != 0)
         die_sys("pipe");
     fflush(NULL);
     pid_t a = fork();
     if (a < 0)
         die_sys("fork");
-    if (a == 0) { /* middle process: the worker's parent, which dies */
+    if (a == 0) { /* middle process: the worker's parent; forks it from a helper thread */
         g_is_child = 1;
-        pid_t me = getpid();
-        pid_t b = fork();
-        if (b < 0)
+        close(info[0]);
+        close(life[0]);
+        close(hold[1]);
+        close(pong[0]);
+        close(go[1]);
+        watch_args_t wa = {life[1], hold[0], ping[0], pong[1], info[1], 1};
+        pthread_t t;
+        if (pthread_create(&t, NULL, watch_fork_thread, &wa) != 0 || pthread_join(t, NULL) != 0)
             _exit(6);
-        if (b == 0) { /* the worker */
-            close(ab[0]);
-            close(hold[1]);
-            close(info[0]);
-            close(info[1]);
-            close(life[0]);
-            if (mpl_set_pdeathsig(SIGKILL, me) != MPL_OK)
-                _exit(10);
-            char c = 1;
-            if (write(ab[1], &c, 1) != 1)
-                _exit(12);
-            ssize_t n = read(hold[0], &c, 1); /* blocks until killed, or the test gives up */
-            (void)n;
-            _exit(11);
-        }
-        close(life[1]);
-        close(ab[1]);
-        char c;
-        if (read(ab[0], &c, 1) != 1) /* the worker armed its pdeathsig */
+        char c = 1;
+        if (write(ping[1], &c, 1) != 1)
             _exit(7);
-        if (write(info[1], &b, sizeof b) != (ssize_t)sizeof b)
-            _exit(8);
+        if (read(go[0], &c, 1) < 0) /* the test closes go[1] when it wants us dead */
+            _exit(9);
         _exit(0);
     }
     close(info[1]);
     close(life[1]);
-    close(ab[0]);
-    close(ab[1]);
     close(hold[0]);
-    int status;
-    if (waitpid(a, &status, 0) != a)
-        die_sys("waitpid");
-    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "middle process status 0x%x", status);
+    close(ping[0]);
+    close(ping[1]);
+    close(pong[1]);
+    close(go[0]);
     pid_t b = -1;
     if (read(info[0], &b, sizeof b) != (ssize_t)sizeof b) {
         FAIL("no worker pid from the middle process");
-    } else {
-        /* The worker holds life[1]; it closes when the worker dies. */
-        struct pollfd pf = {life[0], POLLIN, 0};
-        int pr = poll(&pf, 1, 5000);
-        char c;
-        int dead = pr > 0 && read(life[0], &c, 1) == 0;
-        if (!dead) {
-            close(hold[1]); /* let it go */
-            hold[1] = -1;
-        }
+    }
+    /* 1. The forking thread has exited (joined) before the ping: the worker answers. */
+    struct pollfd pf = {pong[0], POLLIN, 0};
+    char c = 0;
+    int answered = poll(&pf, 1, 5000) > 0 && read(pong[0], &c, 1) == 1;
+    CHECK(answered, "the worker did not survive the exit of the thread that forked it");
+    /* 2. The parent process exits: the worker dies within 1 s. */
+    close(go[1]);
+    int status;
+    if (waitpid(a, &status, 0) != a)
+        die_sys("waitpid middle");
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "middle process status 0x%x", status);
+    int64_t t0 = now_ns();
+    pf.fd = life[0];
+    int dead = poll(&pf, 1, 1000) > 0 && read(life[0], &c, 1) == 0;
+    int64_t dt = now_ns() - t0;
+    if (!dead) {
+        close(hold[1]); /* let it go */
+        hold[1] = -1;
+    }
+    if (b > 0) {
         if (waitpid(b, &status, 0) != b)
             die_sys("waitpid worker");
         CHECK(dead && WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL,
-              "worker of a dead parent not killed by its pdeathsig (status 0x%x)", status);
+              "worker of a dead parent not killed within 1 s (after %" PRId64 " ms; status 0x%x)", (int64_t)(dt / MS), status);
     }
     close(info[0]);
     close(life[0]);
+    close(pong[0]);
     if (hold[1] >= 0)
         close(hold[1]);
 
-    /* expected_ppid that is not our parent: the call must not return */
+    /* 3. A parent already reaped (ESRCH) and 4. a parent that is a zombie: exit(1) at once. */
+    fflush(NULL);
+    pid_t gone = fork();
+    if (gone < 0)
+        die_sys("fork");
+    if (gone == 0)
+        _exit(0);
+    siginfo_t si;
+    if (waitid(P_PID, (id_t)gone, &si, WEXITED | WNOWAIT) != 0) /* a zombie now, not reaped */
+        die_sys("waitid");
+    for (int reaped = 0; reaped < 2; reaped++) {
+        if (reaped && waitpid(gone, &status, 0) != gone)
+            die_sys("waitpid");
+        pid_t w = fork();
+        if (w < 0)
+            die_sys("fork");
+        if (w == 0) {
+            g_is_child = 1;
+            int rc = mpl_watch_parent(gone);
+            _exit(rc == MPL_OK ? 20 : 21);
+        }
+        if (waitpid(w, &status, 0) != w)
+            die_sys("waitpid");
+        CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 1,
+              "mpl_watch_parent of a %s parent: status 0x%x, expected exit status 1", reaped ? "reaped" : "zombie",
+              status);
+    }
+    if (prctl(PR_SET_CHILD_SUBREAPER, 0) != 0)
+        die_sys("prctl(PR_SET_CHILD_SUBREAPER, 0)");
+}
+
+/* ---- waiter bit --------------------------------------------------------- */
+
+typedef struct {
+    mpl_region *r;
+    uint32_t slot;
+    int rc;
+} waiter_arg_t;
+
+static void *waiter_thread(void *arg) {
+    waiter_arg_t *w = arg;
+    w->rc = mpl_slot_wait(w->r, w->slot, 5000 * MS);
+    return NULL;
+}
+
+/* E2 makes the FUTEX_WAKE system call only when the parent announced itself with
+ * MPL_WAITER; a timed-out wait leaves the bit, which every edge tolerates. */
+static void contract_waiter(void) {
+    snprintf(g_who, sizeof g_who, "contract/waiter");
+    mpl_region r;
+    int rc = mpl_region_create(&r, 3, 4096, 0);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(3, 4096, 0) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    uint64_t w0 = mpl_region_wake_count(&r);
+    /* nobody waits: no wake */
+    CHECK_RC(mpl_slot_assign(&r, 0, 1), MPL_OK);
+    CHECK(mpl_slot_word(&r, 0) == MPL_ASSIGNED, "word 0x%x after assign", mpl_slot_word(&r, 0));
+    CHECK_RC(mpl_slot_publish(&r, 0, MPL_KIND_SLOT, 0, 0, 0, 0), MPL_OK);
+    CHECK(mpl_region_wake_count(&r) == w0, "publish with no waiter made %" PRIu64 " FUTEX_WAKE calls",
+          mpl_region_wake_count(&r) - w0);
+    CHECK_RC(mpl_slot_wait(&r, 0, 0), MPL_OK);
+    CHECK_RC(mpl_slot_release(&r, 0), MPL_OK);
+    /* a sleeping waiter: the bit is set before it sleeps, publish wakes it once */
+    CHECK_RC(mpl_slot_assign(&r, 1, 2), MPL_OK);
+    waiter_arg_t wa = {&r, 1, -100};
+    pthread_t t;
+    if (pthread_create(&t, NULL, waiter_thread, &wa) != 0)
+        die_sys("pthread_create");
+    int64_t t0 = now_ns();
+    while (!(mpl_slot_word(&r, 1) & MPL_WAITER) && now_ns() - t0 < 5000 * MS)
+        sched_yield(); /* the waiter sets the bit before it sleeps (the condition, not a delay) */
+    CHECK(mpl_slot_word(&r, 1) == (MPL_ASSIGNED | MPL_WAITER), "word 0x%x while the parent waits",
+          mpl_slot_word(&r, 1));
+    CHECK_STATE(&r, 1, MPL_ASSIGNED); /* the bit is masked for everyone else */
+    CHECK_RC(mpl_slot_begin(&r, 1, 2), MPL_OK);
+    CHECK_RC(mpl_slot_publish(&r, 1, MPL_KIND_SLOT, 0, 0, 0, 0), MPL_OK);
+    pthread_join(t, NULL);
+    CHECK(wa.rc == MPL_OK, "the waiter got %s", rc_name(wa.rc));
+    CHECK(mpl_region_wake_count(&r) == w0 + 1, "publish to a sleeping waiter made %" PRIu64 " FUTEX_WAKE calls",
+          mpl_region_wake_count(&r) - w0);
+    CHECK(mpl_slot_word(&r, 1) == MPL_LEASED, "word 0x%x after the wait", mpl_slot_word(&r, 1));
+    CHECK_RC(mpl_slot_release(&r, 1), MPL_OK);
+    /* a wait that timed out leaves the bit; begin, grow, shrink, reclaim and publish cope */
+    CHECK_RC(mpl_slot_assign(&r, 2, 3), MPL_OK);
+    expect_timeout(&r, 2, 5 * MS);
+    CHECK(mpl_slot_word(&r, 2) == (MPL_ASSIGNED | MPL_WAITER), "word 0x%x after a timed-out wait",
+          mpl_slot_word(&r, 2));
+    CHECK_RC(mpl_slot_begin(&r, 2, 3), MPL_OK);
+    CHECK_RC(mpl_slot_grow(&r, 2, 20000, 0), MPL_OK);
+    CHECK_RC(mpl_slot_shrink(&r, 2, 100), MPL_OK);
+    CHECK_RC(mpl_slot_reclaim(&r, 2), MPL_OK);
+    CHECK(mpl_slot_word(&r, 2) == MPL_FREE, "word 0x%x after reclaiming a waited-on slot", mpl_slot_word(&r, 2));
+    CHECK_RC(mpl_slot_assign(&r, 2, 4), MPL_OK);
+    expect_timeout(&r, 2, 1 * MS);
+    uint64_t w1 = mpl_region_wake_count(&r);
+    CHECK_RC(mpl_slot_publish(&r, 2, MPL_KIND_SLOT, 0, 0, 0, 0), MPL_OK);
+    CHECK(mpl_slot_word(&r, 2) == MPL_READY, "word 0x%x after publish", mpl_slot_word(&r, 2));
+    CHECK(mpl_region_wake_count(&r) == w1 + 1, "a stale waiter bit must still wake (it cannot tell)");
+    CHECK_RC(mpl_slot_wait(&r, 2, 0), MPL_OK);
+    CHECK_RC(mpl_slot_release(&r, 2), MPL_OK);
+    mpl_region_unmap(&r);
+}
+
+/* ---- shrink, size hint ---------------------------------------------------- */
+
+static uint64_t file_alloc_bytes(int fd);
+
+static void contract_shrink(void) {
+    snprintf(g_who, sizeof g_who, "contract/shrink");
+    mpl_region r;
+    int rc = mpl_region_create(&r, 2, 0, 0);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(2, 0, 0) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    mpl_slot_meta *m = mpl_slot_meta_of(&r, 0);
+    uint64_t key = pat_key(11, 1);
+    CHECK_RC(mpl_slot_shrink(&r, 0, 0), MPL_ESTATE); /* FREE: not ours */
+    CHECK_RC(mpl_slot_assign(&r, 0, 1), MPL_OK);
+    CHECK_RC(mpl_slot_begin(&r, 0, 1), MPL_OK);
+    do_grow(&r, 0, 1, 2u << 20, 0, key);
+    pat_fill(mpl_slot_payload(&r, 0), 0, 2u << 20, key);
+    uint64_t off = m->offset, fb = mpl_region_file_bytes(&r), alloc = file_alloc_bytes(r.fd);
+    uint32_t gc = m->grow_count;
+    CHECK_RC(mpl_slot_shrink(&r, 0, 5000), MPL_OK);
+    CHECK(m->offset == off && m->capacity == 8192 && m->grow_count == gc,
+          "shrink to 5000: offset %" PRIu64 "->%" PRIu64 " capacity %" PRIu64 " grow_count %u->%u", off, m->offset,
+          m->capacity, gc, m->grow_count);
+    CHECK(pat_bad(mpl_slot_payload(&r, 0), 0, 5000, key) < 0, "shrink changed the kept bytes");
+    CHECK(mpl_region_file_bytes(&r) == fb, "shrink used address space");
+    uint64_t alloc2 = file_alloc_bytes(r.fd);
+    CHECK(alloc2 + (2u << 20) - 8192 <= alloc, "shrink to 8 KiB returned only %" PRIu64 " of ~2 MiB",
+          alloc - alloc2);
+    CHECK_RC(mpl_slot_shrink(&r, 0, 1u << 30), MPL_OK); /* above the capacity: nothing */
+    CHECK(m->capacity == 8192 && m->offset == off, "shrink above the capacity changed the slot");
+    CHECK_RC(mpl_slot_publish(&r, 0, MPL_KIND_SLOT, 0, 9000, 0, 0), MPL_EINVAL); /* past the new capacity */
+    CHECK_RC(mpl_slot_publish(&r, 0, MPL_KIND_SLOT, 0, 5000, 0, 10), MPL_OK);
+    mpl_slot_meta snap;
+    uint32_t bad = 99;
+    CHECK_RC(mpl_slot_take(&r, 0, 0, &snap, &bad), MPL_OK);
+    CHECK(bad == MPL_FIELD_NONE && snap.used == 5000 && snap.capacity == 8192, "take after shrink");
+    CHECK_RC(mpl_slot_shrink(&r, 0, 0), MPL_ESTATE); /* LEASED: not the worker's */
+    CHECK_RC(mpl_slot_release(&r, 0), MPL_OK);
+    /* to zero, then grown again */
+    CHECK_RC(mpl_slot_assign(&r, 0, 2), MPL_OK);
+    CHECK_RC(mpl_slot_shrink(&r, 0, 0), MPL_OK);
+    CHECK(m->capacity == 0, "shrink to 0: capacity %" PRIu64, m->capacity);
+    do_grow(&r, 0, 2, 3000, 0, key);
+    CHECK_RC(mpl_slot_publish(&r, 0, MPL_KIND_SLOT, 0, 3000, 0, 0), MPL_OK);
+    CHECK_RC(mpl_slot_take(&r, 0, 0, &snap, &bad), MPL_OK);
+    CHECK_RC(mpl_slot_release(&r, 0), MPL_OK);
+    /* size hint: note_size only raises, set_size_hint lowers */
+    mpl_region_note_size(&r, 1000);
+    CHECK(mpl_region_size_hint(&r) == (2u << 20), "note_size lowered the hint to %" PRIu64,
+          mpl_region_size_hint(&r));
+    mpl_region_set_size_hint(&r, 4096);
+    CHECK(mpl_region_size_hint(&r) == 4096, "set_size_hint(4096) left %" PRIu64, mpl_region_size_hint(&r));
+    mpl_region_unmap(&r);
+}
+
+/* ---- take: header validation ---------------------------------------------- */
+
+typedef struct {
+    const char *what;
+    int field;        /* which meta field to overwrite */
+    uint64_t value;
+    uint32_t want;    /* MPL_FIELD_* expected */
+} corrupt_t;
+
+enum { F_KIND, F_OFFSET, F_CAPACITY, F_USED, F_DESC_OFF, F_DESC_LEN };
+
+static void contract_take(void) {
+    snprintf(g_who, sizeof g_who, "contract/take");
+    mpl_region r;
+    int rc = mpl_region_create(&r, 2, 3 * 4096, 1ull << 24);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(2, 12 KiB, 16 MiB) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    mpl_slot_meta *m = mpl_slot_meta_of(&r, 1);
+    uint64_t good_off = m->offset, fsize = mpl_region_file_bytes(&r);
+    corrupt_t cases[] = {
+        {"kind NONE", F_KIND, MPL_KIND_NONE, MPL_FIELD_KIND},
+        {"kind 7", F_KIND, 7, MPL_FIELD_KIND},
+        {"offset not page-aligned", F_OFFSET, good_off + 8, MPL_FIELD_OFFSET},
+        {"offset in the headers", F_OFFSET, 0, MPL_FIELD_OFFSET},
+        {"offset past the file", F_OFFSET, fsize + (1u << 20), MPL_FIELD_OFFSET},
+        {"offset past the reservation", F_OFFSET, r.reserve_bytes + 4096, MPL_FIELD_OFFSET},
+        {"offset 2^63", F_OFFSET, 1ull << 63, MPL_FIELD_OFFSET},
+        {"capacity past the file", F_CAPACITY, 1u << 20, MPL_FIELD_CAPACITY},
+        {"capacity 2^62", F_CAPACITY, 1ull << 62, MPL_FIELD_CAPACITY},
+        {"capacity not page-aligned", F_CAPACITY, 4097, MPL_FIELD_CAPACITY},
+        {"used > capacity", F_USED, 3 * 4096 + 1, MPL_FIELD_USED},
+        {"used 2^40", F_USED, 1ull << 40, MPL_FIELD_USED},
+        {"desc_off > used", F_DESC_OFF, 101, MPL_FIELD_DESC_OFF},
+        {"desc_len past used", F_DESC_LEN, 91, MPL_FIELD_DESC_LEN},
+        {"desc_len 2^64-1", F_DESC_LEN, UINT64_MAX, MPL_FIELD_DESC_LEN},
+    };
+    uint64_t seq = 10;
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++, seq++) {
+        corrupt_t *k = &cases[i];
+        CHECK_RC(mpl_slot_assign(&r, 1, seq), MPL_OK);
+        CHECK_RC(mpl_slot_begin(&r, 1, seq), MPL_OK);
+        if (m->capacity < 3 * 4096) /* a previous case reset the range */
+            do_grow(&r, 1, seq, 3 * 4096, 0, 0);
+        CHECK_RC(mpl_slot_publish(&r, 1, MPL_KIND_SLOT, 0, 100, 10, 80), MPL_OK);
+        switch (k->field) { /* a stray writer, after the publish */
+        case F_KIND: m->kind = (uint32_t)k->value; break;
+        case F_OFFSET: m->offset = k->value; break;
+        case F_CAPACITY: m->capacity = k->value; break;
+        case F_USED: m->used = k->value; break;
+        case F_DESC_OFF: m->desc_off = k->value; break;
+        default: m->desc_len = k->value; break;
+        }
+        mpl_slot_meta snap;
+        uint32_t bad = 99;
+        rc = mpl_slot_take(&r, 1, 0, &snap, &bad);
+        CHECK(rc == MPL_ECORRUPT && bad == k->want, "%s: take returned %s, field %u (expected MPL_ECORRUPT, %u)",
+              k->what, rc_name(rc), bad, k->want);
+        CHECK_STATE(&r, 1, MPL_FREE);
+        if (k->want == MPL_FIELD_OFFSET || k->want == MPL_FIELD_CAPACITY)
+            CHECK(m->capacity == 0 && m->offset == r.payload_off, "%s: range not reset (%" PRIu64 "+%" PRIu64 ")",
+                  k->what, m->offset, m->capacity);
+        CHECK(m->used == 0 && m->kind == MPL_KIND_NONE, "%s: header not cleared", k->what);
+    }
+    /* the slot works again after every repair */
+    CHECK_RC(mpl_slot_assign(&r, 1, seq), MPL_OK);
+    CHECK_RC(mpl_slot_begin(&r, 1, seq), MPL_OK);
+    do_grow(&r, 1, seq, 200000, 0, 0);
+    CHECK_RC(mpl_slot_publish(&r, 1, MPL_KIND_ERROR, 0, 200000, 5, 7), MPL_OK);
+    mpl_slot_meta snap;
+    uint32_t bad = 99;
+    CHECK_RC(mpl_slot_take(&r, 1, 0, &snap, &bad), MPL_OK);
+    CHECK(bad == MPL_FIELD_NONE && memcmp(&snap, m, sizeof snap) == 0, "snapshot differs from the header");
+    CHECK_RC(mpl_slot_take(&r, 1, 0, &snap, &bad), MPL_ESTATE); /* LEASED: no second lease */
+    CHECK_RC(mpl_slot_release(&r, 1), MPL_OK);
+    /* a grown range cannot be checked once the memfd is closed: EBADF, slot FREE */
+    CHECK_RC(mpl_slot_assign(&r, 1, seq + 1), MPL_OK);
+    do_grow(&r, 1, seq + 1, 400000, 0, 0);
+    CHECK_RC(mpl_slot_publish(&r, 1, MPL_KIND_SLOT, 0, 10, 0, 0), MPL_OK);
+    mpl_region_close_fd(&r);
+    errno = 0;
+    CHECK_RC(mpl_slot_take(&r, 1, 0, &snap, &bad), MPL_ESYS);
+    CHECK(errno == EBADF, "errno %d after take on a closed region", errno);
+    CHECK_STATE(&r, 1, MPL_FREE);
+    mpl_region_unmap(&r);
+}
+
+/* ---- attach, magic, version ---------------------------------------------- */
+
+static void contract_attach(void) {
+    snprintf(g_who, sizeof g_who, "contract/attach");
+    int fd0 = fd_count();
+    mpl_region r, a;
+    int rc = mpl_region_create(&r, 5, 4096, 0);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(5, 4096, 0) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    uint64_t magic = 0;
+    uint32_t version = 0;
+    CHECK_RC(mpl_region_attach(&a, r.fd, &magic, &version), MPL_OK);
+    CHECK(a.nslots == 5 && a.reserve_bytes == r.reserve_bytes && a.fd >= 0 && a.fd != r.fd &&
+              a.payload_off == r.payload_off,
+          "attached handle: nslots %u reserve %" PRIu64 " fd %d", a.nslots, a.reserve_bytes, a.fd);
+    /* the same memory through both mappings */
+    CHECK_RC(mpl_slot_assign(&r, 3, 77), MPL_OK);
+    CHECK_RC(mpl_slot_begin(&a, 3, 77), MPL_OK);
+    memcpy(mpl_slot_payload(&a, 3), "attached", 8);
+    CHECK_RC(mpl_slot_publish(&a, 3, MPL_KIND_SLOT, 0, 8, 0, 0), MPL_OK);
+    mpl_slot_meta snap;
+    uint32_t bad;
+    CHECK_RC(mpl_slot_take(&r, 3, 0, &snap, &bad), MPL_OK);
+    CHECK(memcmp(mpl_slot_payload(&r, 3), "attached", 8) == 0, "payload not shared");
+    CHECK_RC(mpl_slot_release(&r, 3), MPL_OK);
+    CHECK_RC(mpl_region_populate(&a), MPL_OK);
+    mpl_region_unmap(&a);
+    CHECK(a.fd == -1 && a.base == NULL, "unmap of an attached region");
+    /* version and magic: attach and populate refuse */
+    uint32_t *ver = (uint32_t *)(r.base + 8);
+    uint64_t *mag = (uint64_t *)r.base;
+    *ver = MPL_LAYOUT_VERSION + 1;
+    CHECK_RC(mpl_region_attach(&a, r.fd, &magic, &version), MPL_EVERSION);
+    CHECK(version == MPL_LAYOUT_VERSION + 1 && a.fd == -1 && a.base == NULL, "EVERSION: version %u", version);
+    CHECK_RC(mpl_region_populate(&r), MPL_EVERSION);
+    *ver = MPL_LAYOUT_VERSION;
+    *mag ^= 1;
+    CHECK_RC(mpl_region_attach(&a, r.fd, &magic, &version), MPL_EMAGIC);
+    CHECK(magic == (MPL_MAGIC ^ 1), "EMAGIC: found %" PRIx64, magic);
+    CHECK_RC(mpl_region_populate(&r), MPL_EMAGIC);
+    *mag ^= 1;
+    uint32_t *ns = (uint32_t *)(r.base + 12);
+    *ns = 0;
+    CHECK_RC(mpl_region_attach(&a, r.fd, &magic, &version), MPL_EINVAL);
+    *ns = MPL_MAX_SLOTS + 1;
+    CHECK_RC(mpl_region_attach(&a, r.fd, &magic, &version), MPL_EINVAL);
+    *ns = 5;
+    /* not a region: an empty file, a zero-filled file */
+    int e = memfd_create("not-a-region", MFD_CLOEXEC);
+    if (e < 0)
+        die_sys("memfd_create");
+    CHECK_RC(mpl_region_attach(&a, e, &magic, &version), MPL_EMAGIC);
+    if (ftruncate(e, 65536) != 0)
+        die_sys("ftruncate");
+    CHECK_RC(mpl_region_attach(&a, e, &magic, &version), MPL_EMAGIC);
+    CHECK(magic == 0, "zero file: magic %" PRIx64, magic);
+    close(e);
+    errno = 0;
+    CHECK_RC(mpl_region_attach(&a, e, &magic, &version), MPL_ESYS); /* closed fd */
+    CHECK(errno == EBADF, "attach of a closed fd: errno %d", errno);
+    mpl_region_unmap(&r);
+    CHECK(fd_count() == fd0, "attach left %d fds open", fd_count() - fd0);
+}
+
+/* ---- cached pid ------------------------------------------------------------- */
+
+static void contract_pid(void) {
+    snprintf(g_who, sizeof g_who, "contract/pid");
+    mpl_region r;
+    int rc = mpl_region_create(&r, 1, 4096, 0);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(1, 4096, 0) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    CHECK(mpl_self_pid() == getpid(), "cached pid %d, getpid %d", (int)mpl_self_pid(), (int)getpid());
+    CHECK_RC(mpl_slot_assign(&r, 0, 1), MPL_OK);
+    fflush(NULL);
     pid_t c = fork();
     if (c < 0)
         die_sys("fork");
-    if (c == 0) {
+    if (c == 0) { /* the atfork handler refreshed the cache: publish names the child */
         g_is_child = 1;
-        pid_t not_parent = getpid();
-        int rc = mpl_set_pdeathsig(SIGTERM, not_parent);
-        _exit(rc == MPL_OK ? 20 : 21);
+        if (mpl_self_pid() != getpid())
+            _exit(30);
+        _exit(mpl_slot_publish(&r, 0, MPL_KIND_SLOT, 0, 0, 0, 0) == MPL_OK ? 0 : 31);
     }
+    int status;
     if (waitpid(c, &status, 0) != c)
         die_sys("waitpid");
-    CHECK(!(WIFEXITED(status) && (WEXITSTATUS(status) == 20 || WEXITSTATUS(status) == 21)),
-          "mpl_set_pdeathsig returned (status 0x%x) although expected_ppid is not the parent", status);
-    if (prctl(PR_SET_CHILD_SUBREAPER, 0) != 0)
-        die_sys("prctl(PR_SET_CHILD_SUBREAPER, 0)");
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child status 0x%x (30: stale cached pid)", status);
+    mpl_slot_meta snap;
+    uint32_t bad;
+    CHECK_RC(mpl_slot_take(&r, 0, 0, &snap, &bad), MPL_OK);
+    CHECK(snap.worker_pid == c, "worker_pid %d, the publishing child was %d", (int)snap.worker_pid, (int)c);
+    CHECK_RC(mpl_slot_release(&r, 0), MPL_OK);
+    mpl_region_unmap(&r);
 }
 
 static void run_contract(void) {
@@ -999,7 +1372,12 @@ static void run_contract(void) {
     contract_dead_worker();
     contract_preserve_gt_need();
     contract_populate();
-    contract_pdeathsig();
+    contract_watch_parent();
+    contract_waiter();
+    contract_shrink();
+    contract_take();
+    contract_attach();
+    contract_pid();
     snprintf(g_who, sizeof g_who, "parent");
     g_soft = 0;
 }
@@ -1070,6 +1448,12 @@ static void verify_lease(mpl_region *r, const cfg_t *cfg, slot_model_t *sm, uint
           ", file end %" PRIu64 ")",
           seq, slot, m->offset, m->capacity, hend, mpl_region_file_bytes(r));
     CHECK(mpl_slot_payload(r, slot) == r->base + m->offset, "payload pointer is not base + offset");
+    /* The header check mpl_slot_take applies accepts every honest header, while
+     * other processes grow the file (it re-reads the file size when needed). */
+    mpl_slot_meta copy = *m;
+    uint32_t field = mpl_slot_check(r, &copy);
+    CHECK(copy.kind == MPL_KIND_NONE ? field == MPL_FIELD_KIND : field == MPL_FIELD_NONE,
+          "seq %" PRIu64 " slot %u: mpl_slot_check refused field %u of an honest header", seq, slot, field);
     /* FREE and LEASED slots' ranges are stable (only the parent moves those slots). */
     for (uint32_t t = 0; t < r->nslots; t++) {
         if (t == slot || sm[t].st == M_INFLIGHT)
@@ -1198,7 +1582,7 @@ static void run_stress(const cfg_t *cfg, stats_t *stats) {
             for (int v = 0; v <= w; v++)
                 close(wfd[v]);
             close(ready[0]);
-            CHECK_RC(mpl_set_pdeathsig(SIGKILL, parent), MPL_OK);
+            CHECK_RC(mpl_watch_parent(parent), MPL_OK);
             CHECK_RC(mpl_region_populate(&r), MPL_OK);
             char c = 1;
             if (write(ready[1], &c, 1) != 1)
