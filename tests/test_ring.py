@@ -25,8 +25,15 @@ import time
 import pytest
 
 from mploader import _ring
-from mploader._ring import (CorruptSlotError, RegionFullError, RegionLayoutError, SlotLease, SlotStateError,
-                            attach_region, create_region)
+from mploader._ring import (
+    CorruptSlotError,
+    RegionFullError,
+    RegionLayoutError,
+    SlotLease,
+    SlotStateError,
+    attach_region,
+    create_region,
+)
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
