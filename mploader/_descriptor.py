@@ -1,14 +1,37 @@
 """Batch structure <-> slot layout (docs/design.md, "Batch descriptor").
 
-A slot payload holds the batch's arrays (each at a 64-byte aligned offset) followed
-by the descriptor: a pickle (protocol 5) of the batch in which every eligible
-ndarray is replaced by a persistent id ``("a", offset, dtype, shape, strides)``.
-Everything else (containers, numbers, strings, object arrays, arbitrary objects)
-is pickled in-band in the descriptor.  The parent unpickles the descriptor and
-turns each persistent id into a zero-copy ndarray over the slot's
-:class:`~mploader._ring.SlotLease`; NumPy checks every offset/shape/stride against
-the lease's length, so a corrupt descriptor raises instead of reading outside the
-slot.
+A READY slot's payload is ``[arrays, each 64-byte aligned][descriptor]``.  The
+descriptor is a compact binary record (``mploader._structure`` has the grammar)
+whose decoding bounds its own allocations:
+
+``header`` (28 bytes)
+    magic, version, the byte lengths of the three sections below and the
+    structure's 64-bit hash (BLAKE2b).
+``structure``
+    The batch's shape as a tree: tuple / list / dict (with its keys) / namedtuple
+    (its class, pickled by reference) nodes, and leaves (array with its dtype, ndim
+    and whether it is C-contiguous; int; float; bool; complex; None; str; bytes;
+    NumPy scalar with its dtype; in-band pickle).  The same bytes for every batch of
+    one structure: the worker encodes it once per structure, the parent parses it
+    once per structure into a decode template; both caches are keyed by the
+    structure (the worker's by the signature its walk collects, the parent's by the
+    hash, checked against the bytes when it parses them).
+``values``
+    The per-batch numbers, packed by one :class:`struct.Struct` the structure
+    determines: each array's offset, shape (and strides when not C-contiguous),
+    each number's value, the byte length of each variable-length leaf.
+``var``
+    The bytes of the variable-length leaves, in order: UTF-8 strings, bytes, and
+    in-band pickles (``mploader._inband``) of whatever is not a plain container,
+    array or number (object arrays, arbitrary objects, lists of Python leaves).
+    Plain arrays inside in-band pickles still live in the slot, zero-copy.
+
+Decoding checks the section lengths against the descriptor length (itself inside
+the slot), every count against the bytes that remain before allocating for it,
+every array against the slot (NumPy's buffer bounds check on the lease), every
+dtype (a validated type string, or a dtype object from a checked pickle), and every
+in-band pickle's opcode stream.  A descriptor that fails raises
+:class:`CorruptDescriptor` naming the field and its value.
 """
 from __future__ import annotations
 
@@ -19,27 +42,42 @@ from typing import Any
 import numpy as np
 
 from . import _ring
+from . import _structure as S
+from ._inband import CorruptDescriptor, InbandPickler, simple_dtype
+from ._sizing import HEADROOM, shrink, sizing_for
 
+__all__ = ["ALIGN", "CorruptDescriptor", "SlotWriter", "decode", "read_record"]
+
+#: Alignment of every array (and of the descriptor) in a slot payload, bytes.
 ALIGN = 64
-_HEADROOM = 1.25
-_PLAIN = frozenset((tuple, list, dict, int, float, bool, complex, str, bytes, type(None)))
 _EMPTY = np.empty(0, np.uint8)
 _CONTAINERS = (np.ndarray, list, tuple, dict)
+try:
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds
+except ImportError:  # NumPy < 2.0
+    _byte_bounds = np.byte_bounds  # type: ignore[attr-defined]
 
 
 def _align(n: int) -> int:
     return (n + ALIGN - 1) & ~(ALIGN - 1)
 
 
+# ---------------------------------------------------------------------------
+# worker side
+# ---------------------------------------------------------------------------
+
 class SlotWriter:
     """Lays out one batch in an ASSIGNED slot (worker side).
 
     ``alloc`` hands out arrays inside the payload while they fit and heap arrays
-    after that; ``finish`` pickles the descriptor, grows the slot if the batch did
-    not fit (copying the heap arrays in once), and publishes the slot.
+    after that; ``finish`` encodes the descriptor, grows the slot if the batch did
+    not fit (copying the heap arrays in once), and publishes the slot.  On
+    construction the slot is sized by the worker's :class:`~mploader._sizing.SlotSizing` policy
+    (docs/design.md, "Slot sizing"): grown to the typical batch before collation,
+    or shrunk when it holds far more than the typical batch (after an outlier).
     """
 
-    __slots__ = ("region", "slot", "flags", "used", "base", "capacity", "buf", "handed")
+    __slots__ = ("base", "buf", "capacity", "flags", "handed", "mv", "region", "sizing", "slot", "used")
 
     def __init__(self, region: _ring.Region, slot: int, seq: int) -> None:
         self.region = region
@@ -48,16 +86,23 @@ class SlotWriter:
         self.used = 0
         self.handed: dict[int, tuple] = {}  # id(array from alloc) -> (array, offset)
         capacity = region.begin(slot, seq)
-        hint = region.size_hint
-        if capacity < hint and region.grow(slot, hint, 0):
-            self.flags |= _ring.FLAG_GROWN
+        self.sizing = sizing = sizing_for(region)
+        target = sizing.target_bytes()
+        if capacity < target:
+            if region.grow(slot, target, 0):
+                self.flags |= _ring.FLAG_GROWN
+        elif sizing.should_shrink(capacity, target):
+            shrink(region, slot, target)
         self._map()
 
     def _map(self) -> None:
+        self.mv: memoryview | None
         self.base, self.capacity = self.region.payload_address(self.slot)
         if self.capacity:
-            self.buf = np.frombuffer(self.region.payload(self.slot), np.uint8)
+            self.mv = self.region.payload(self.slot)
+            self.buf = np.frombuffer(self.mv, np.uint8)
         else:
+            self.mv = None
             self.buf = _EMPTY
 
     def alloc(self, shape: tuple, dtype: Any) -> np.ndarray:
@@ -67,8 +112,8 @@ class SlotWriter:
         for n in shape:
             nbytes *= n
         off = _align(self.used)
-        if dtype.itemsize == 0 or off + nbytes > self.capacity:
-            return np.empty(shape, dtype)
+        if dtype.itemsize == 0 or dtype.hasobject or off + nbytes > self.capacity:
+            return np.empty(shape, dtype)  # object pointers must never live in shared memory
         self.used = off + nbytes
         out = self.buf[off:off + nbytes].view(dtype).reshape(shape)
         self.handed[id(out)] = (out, off)
@@ -78,17 +123,28 @@ class SlotWriter:
         """Publish ``obj`` in the slot.
 
         Returns None when published as ``kind``; otherwise (the region's address
-        reservation is exhausted) publishes KIND_PIPE and returns the in-band
-        pickle the caller must send through the worker's pipe.
+        reservation is exhausted) publishes KIND_PIPE and returns the pickle the
+        caller must send through the worker's pipe.  Raises what pickling raises
+        (``PicklingError``, ``TypeError``, ``AttributeError``) for a leaf that
+        cannot be serialised; the slot is then still ASSIGNED and ``finish`` may be
+        called again with another object.
         """
-        pickler_file = io.BytesIO()
-        p = _SlotPickler(pickler_file, self)
-        p.dump(obj)
-        desc = pickler_file.getbuffer()
-        desc_off = _align(p.end)
-        total = desc_off + len(desc)
+        enc = _Encoder(self)
+        enc.walk(obj, 0)
+        sig = tuple(enc.sig)
+        layout = _LAYOUTS.get(sig)
+        if layout is None:
+            layout = S.compile_layout(sig)
+            if len(_LAYOUTS) >= S.CACHE_ENTRIES:
+                _LAYOUTS.clear()
+            _LAYOUTS[sig] = layout
+        var = enc.var
+        var_len = sum(map(len, var)) if var else 0
+        desc_off = (enc.end + ALIGN - 1) & ~(ALIGN - 1)
+        desc_len = layout.whole.size + var_len
+        total = desc_off + desc_len
         if total > self.capacity:
-            need = int(total * _HEADROOM)
+            need = int(total * HEADROOM)
             if not self.region.grow(self.slot, need, self.used):
                 data = pickle.dumps(obj, protocol=5)
                 self.region.publish(self.slot, _ring.KIND_PIPE, self.flags, 0)
@@ -96,114 +152,258 @@ class SlotWriter:
             self.flags |= _ring.FLAG_GROWN
             self._map()
         buf = self.buf
-        for off, arr in p.pending:
+        for off, arr in enc.pending:
             if arr.nbytes:
                 np.copyto(buf[off:off + arr.nbytes].view(arr.dtype).reshape(arr.shape), arr, casting="no")
-        buf[desc_off:total] = np.frombuffer(desc, np.uint8)
-        self.region.publish(self.slot, kind, self.flags | p.flags, total, desc_off, len(desc))
+        mv = self.mv
+        assert mv is not None  # total > 0, so the slot has a payload
+        layout.whole.pack_into(mv, desc_off, S.MAGIC, S.VERSION, 0, layout.struct_len, layout.values.size, var_len,
+                               layout.digest, layout.struct_bytes, *enc.vals)
+        p = desc_off + layout.whole.size
+        for b in var:
+            n = len(b)
+            mv[p:p + n] = b
+            p += n
+        self.region.publish(self.slot, kind, self.flags | enc.flags, total, desc_off, desc_len)
+        self.sizing.note(total)
         return None
 
 
-class _SlotPickler(pickle.Pickler):
-    """Pickler that moves ndarrays out of band into the slot (persistent ids)."""
+#: Worker cache: structure signature -> its encoding.
+_LAYOUTS: dict[tuple, S.Layout] = {}
 
-    def __init__(self, file: io.BytesIO, writer: SlotWriter) -> None:
-        super().__init__(file, protocol=5)
-        self.lo = writer.base
-        self.hi = writer.base + writer.capacity
+
+class _Encoder:
+    """One batch's walk: the structure signature, the values, the var bytes, and
+    where each array goes in the slot."""
+
+    __slots__ = ("end", "flags", "handed", "pending", "seen", "sig", "vals", "var", "writer")
+
+    def __init__(self, writer: SlotWriter) -> None:
+        self.writer = writer
         self.handed = writer.handed
         self.end = writer.used
         self.pending: list[tuple[int, np.ndarray]] = []
         self.seen: dict[int, tuple] = {}
         self.flags = 0
+        self.sig: list = []
+        self.vals: list = []
+        self.var: list = []
 
-    def persistent_id(self, obj: Any) -> Any:
+    def place(self, arr: np.ndarray) -> tuple[int, tuple | None]:
+        """(offset, strides or None) of a plain ndarray in the slot, copying it in
+        later (``pending``) when it lies elsewhere."""
+        hit = self.handed.get(id(arr))
+        if hit is not None and hit[0] is arr:  # exactly an array alloc handed out
+            return hit[1], None
+        w = self.writer
+        if arr.base is not None and w.capacity:
+            addr = arr.__array_interface__["data"][0]
+            start, stop = w.base, w.base + w.capacity
+            if start <= addr < stop or (arr.size == 0 and start <= addr <= stop):
+                lo, hi = _byte_bounds(arr)
+                if start <= lo and hi <= stop:
+                    return addr - start, (None if arr.flags.c_contiguous else arr.strides)
+        hit = self.seen.get(id(arr))
+        if hit is None:
+            off = _align(self.end)
+            self.end = off + arr.nbytes
+            self.pending.append((off, arr))
+            hit = self.seen[id(arr)] = (off, arr)
+        return hit[0], None
+
+    def blob(self, obj: Any) -> None:
+        """``obj`` pickled in-band; the plain arrays inside it still go to the slot."""
+        f = io.BytesIO()
+        InbandPickler(f, self.place).dump(obj)
+        data = f.getbuffer()
+        self.sig.append(S.BLOB)
+        self.vals.append(len(data))
+        self.var.append(data)
+        self.flags |= _ring.FLAG_INBAND
+
+    def walk(self, obj: Any, depth: int) -> None:
         t = type(obj)
-        if t in _PLAIN:
-            if t is list and obj and not isinstance(obj[0], _CONTAINERS):
-                # A list of leaves (what a batchify passes through when it cannot
-                # stack them: ragged sequences, strings, numbers of mixed types)
-                # travels pickled: count the batch as a fallback.
-                self.flags |= _ring.FLAG_INBAND
-            return None
+        sig = self.sig
         if t is np.ndarray:
             dtype = obj.dtype
             if dtype.hasobject or dtype.itemsize == 0:
-                self.flags |= _ring.FLAG_INBAND
-                return None
-            hit = self.handed.get(id(obj))
-            if hit is not None and hit[0] is obj:  # exactly an array alloc handed out
-                return ("a", hit[1], _dtype_key(dtype), obj.shape, None)
-            addr = obj.ctypes.data
-            if self.lo <= addr < self.hi or (obj.size == 0 and self.lo <= addr <= self.hi):
-                lo, hi = np.lib.array_utils.byte_bounds(obj) if _HAS_ARRAY_UTILS else np.byte_bounds(obj)
-                if self.lo <= lo and hi <= self.hi:
-                    return ("a", addr - self.lo, _dtype_key(dtype), obj.shape, obj.strides)
-            pid = self.seen.get(id(obj))
-            if pid is None:
-                off = _align(self.end)
-                self.end = off + obj.nbytes
-                self.pending.append((off, obj))
-                pid = self.seen[id(obj)] = ("a", off, _dtype_key(dtype), obj.shape, None)
-            return pid
-        if isinstance(obj, (tuple, list, dict, np.generic, np.dtype, type)):
+                return self.blob(obj)
+            off, strides = self.place(obj)
+            vals = self.vals
+            vals.append(off)
+            vals += obj.shape
+            if strides is None:
+                sig += (S.ARRAY, dtype, obj.ndim, True)
+            else:
+                sig += (S.ARRAY, dtype, obj.ndim, False)
+                vals += strides
             return None
-        self.flags |= _ring.FLAG_INBAND
-        return None
+        if t is list or t is tuple:
+            if depth >= S.MAX_DEPTH or (t is list and obj and not isinstance(obj[0], _CONTAINERS)):
+                # A list of leaves (what a batchify passes through when it cannot
+                # stack them: ragged sequences, strings, numbers of mixed types)
+                # travels pickled: count the batch as a fallback.
+                return self.blob(obj)
+            sig.append(S.LIST if t is list else S.TUPLE)
+            sig.append(len(obj))
+            depth += 1
+            handed, vals = self.handed, self.vals
+            for x in obj:
+                if type(x) is np.ndarray:  # fast path: an array alloc handed out
+                    hit = handed.get(id(x))
+                    if hit is not None and hit[0] is x:
+                        sig += (S.ARRAY, x.dtype, x.ndim, True)
+                        vals.append(hit[1])
+                        vals += x.shape
+                        continue
+                self.walk(x, depth)
+            return None
+        if t is dict:
+            if depth >= S.MAX_DEPTH or not all(type(k) is str or S.const_ok(k, 0) for k in obj):
+                return self.blob(obj)
+            sig.append(S.DICT)
+            sig.append(len(obj))
+            depth += 1
+            for k, v in obj.items():
+                sig.append(k if type(k) is str else (type(k), k))
+                self.walk(v, depth)
+            return None
+        if t is int:
+            if S.I64_MIN <= obj <= S.I64_MAX:
+                sig.append(S.INT)
+                self.vals.append(obj)
+                return None
+            return self.blob(obj)
+        if t is float:
+            sig.append(S.FLOAT)
+            self.vals.append(obj)
+            return None
+        if t is bool:
+            sig.append(S.BOOL)
+            self.vals.append(obj)
+            return None
+        if obj is None:
+            sig.append(S.NONE)
+            return None
+        if t is str:
+            data = obj.encode("utf-8", "surrogatepass")
+            sig.append(S.STR)
+            self.vals.append(len(data))
+            self.var.append(data)
+            return None
+        if t is bytes:
+            sig.append(S.BYTES)
+            self.vals.append(len(obj))
+            self.var.append(obj)
+            return None
+        if t is complex:
+            sig.append(S.COMPLEX)
+            self.vals += (obj.real, obj.imag)
+            return None
+        if isinstance(obj, np.generic):
+            dtype = obj.dtype
+            if simple_dtype(dtype) and dtype.itemsize:
+                sig += (S.SCALAR, dtype)
+                self.vals.append(obj.tobytes())
+                return None
+            return self.blob(obj)
+        if isinstance(obj, tuple) and depth < S.MAX_DEPTH and S.namedtuple_class(t) is not None \
+                and not getattr(obj, "__dict__", None):
+            sig += (S.NAMEDTUPLE, t, len(obj))
+            depth += 1
+            for x in obj:
+                self.walk(x, depth)
+            return None
+        return self.blob(obj)
 
 
-def _dtype_key(dtype: np.dtype) -> Any:
-    """A cheap-to-pickle stand-in for ``dtype``: its type string when that round-trips
-    exactly (plain dtypes), else the dtype itself (structured, subarray)."""
-    if dtype.fields is None and dtype.subdtype is None and dtype.metadata is None:
-        return dtype.str
-    return dtype
+# ---------------------------------------------------------------------------
+# parent side
+# ---------------------------------------------------------------------------
 
-
-_HAS_ARRAY_UTILS = hasattr(np.lib, "array_utils") and hasattr(np.lib.array_utils, "byte_bounds")
-
-
-class _SlotUnpickler(pickle.Unpickler):
-    """Unpickler that maps persistent ids to zero-copy views of a lease."""
-
-    def __init__(self, file: io.BytesIO, lease: _ring.SlotLease, copy: bool) -> None:
-        super().__init__(file)
-        self.lease = lease
-        self.copy = copy
-
-    def persistent_load(self, pid: Any) -> np.ndarray:
-        try:
-            tag, off, dtype, shape, strides = pid
-            if tag != "a":
-                raise ValueError(f"unknown tag {tag!r}")
-            arr = np.ndarray(shape, dtype, buffer=self.lease, offset=off, strides=strides)
-        except (TypeError, ValueError) as e:
-            raise CorruptDescriptor(f"bad array entry {pid!r} for a {self.lease.nbytes}-byte slot: {e}") from None
-        return arr.copy() if self.copy else arr
-
-
-class CorruptDescriptor(RuntimeError):
-    """A slot's descriptor does not describe arrays inside that slot."""
+#: Parent cache: structure hash -> decode template.
+_TEMPLATES: dict[int, S.Template] = {}
 
 
 def decode(lease: _ring.SlotLease, desc_off: int, desc_len: int, copy: bool = False) -> Any:
     """Rebuild a batch from a leased slot.
 
-    Arrays are zero-copy views whose ``base`` is ``lease`` (``copy=False``) or owned
-    copies (``copy=True``).  Raises :class:`CorruptDescriptor` if the descriptor
-    lies outside the slot or names an array outside it.
+    Parameters
+    ----------
+    lease : SlotLease
+        The leased slot; its length (``lease.nbytes``) bounds every array.
+    desc_off, desc_len : int
+        Where the descriptor lies in the slot payload (bytes).
+    copy : bool
+        False: arrays are zero-copy views whose ``base`` chain ends at ``lease``
+        (valid as long as they live; the slot is freed after the last one dies).
+        True: arrays are owned copies and nothing refers to the lease.
+
+    Returns
+    -------
+    The batch, with the structure, container types, dtypes and shapes the worker
+    published.
+
+    Raises
+    ------
+    CorruptDescriptor
+        The descriptor lies outside the slot, fails a check (magic, version,
+        lengths, counts, dtypes, pickle opcodes), or names an array outside the
+        slot; the message names the field and its value.
     """
-    if desc_off < 0 or desc_len < 0 or desc_off + desc_len > lease.nbytes:
+    nbytes = lease.nbytes
+    if desc_off < 0 or desc_len < S.HEADER.size or desc_off + desc_len > nbytes:
         raise CorruptDescriptor(
-            f"descriptor [{desc_off}, {desc_off + desc_len}) outside the {lease.nbytes}-byte slot")
-    with memoryview(lease) as mv:
-        raw = io.BytesIO(mv[desc_off:desc_off + desc_len])
-    return _SlotUnpickler(raw, lease, copy).load()
+            f"descriptor [{desc_off}, {desc_off + desc_len}) outside the {nbytes}-byte slot "
+            f"or shorter than its {S.HEADER.size}-byte header")
+    magic, version, _, struct_len, values_len, var_len, digest = S.HEADER.unpack_from(lease, desc_off)
+    if magic != S.MAGIC or version != S.VERSION:
+        raise CorruptDescriptor(f"descriptor magic {magic:#x} version {version}, expected {S.MAGIC:#x} "
+                                f"version {S.VERSION}")
+    if S.HEADER.size + struct_len + values_len + var_len != desc_len:
+        raise CorruptDescriptor(
+            f"descriptor sections (structure {struct_len}, values {values_len}, var {var_len} bytes) do not "
+            f"add up to desc_len {desc_len}")
+    p = desc_off + S.HEADER.size
+    tmpl = _TEMPLATES.get(digest)
+    if tmpl is None or tmpl.struct_len != struct_len:
+        with memoryview(lease) as mv:
+            data = bytes(mv[p:p + struct_len])
+        if S.digest(data) != digest:
+            raise CorruptDescriptor(f"descriptor structure hash {digest:#x} does not match its "
+                                    f"{struct_len} structure bytes")
+        tmpl = S.parse(data)
+        if len(_TEMPLATES) >= S.CACHE_ENTRIES:
+            _TEMPLATES.clear()
+        _TEMPLATES[digest] = tmpl
+    p += struct_len
+    if tmpl.values.size != values_len:
+        raise CorruptDescriptor(f"descriptor values section is {values_len} bytes, its structure "
+                                f"needs {tmpl.values.size}")
+    v = tmpl.values.unpack_from(lease, p)
+    if tmpl.var_slots:
+        p += values_len
+        pos = [0]
+        end = 0
+        for i in tmpl.var_slots:
+            end += v[i]
+            pos.append(end)
+        if end != var_len:
+            raise CorruptDescriptor(f"descriptor var lengths add up to {end}, the var section is {var_len} bytes")
+        with memoryview(lease) as mv:
+            var = mv[p:p + var_len]
+        b = (lease, copy, var, pos)
+        try:
+            return tmpl.build(v, b)
+        finally:
+            var.release()
+    return tmpl.build(v, (lease, copy))
 
 
 def read_record(lease: _ring.SlotLease, desc_off: int, desc_len: int) -> Any:
-    """Unpickle a plain (no persistent ids) record stored as a slot's descriptor."""
-    if desc_off + desc_len > lease.nbytes:
-        raise CorruptDescriptor(f"record [{desc_off}, {desc_off + desc_len}) outside the {lease.nbytes}-byte slot")
-    with memoryview(lease) as mv:
-        return pickle.loads(mv[desc_off:desc_off + desc_len])
+    """Decode a slot whose arrays (if any) must be copied out: an error record.
+
+    As :func:`decode` with ``copy=True``; raises :class:`CorruptDescriptor`.
+    """
+    return decode(lease, desc_off, desc_len, copy=True)
