@@ -17,10 +17,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 #: What ruff checks (relative to the repository root).
 RUFF_PATHS = ["mploader/cli.py", "mploader/__main__.py", "mploader/_version.py", "bench",
+              "mploader/_descriptor.py", "mploader/_structure.py", "mploader/_inband.py", "mploader/_sizing.py",
+              "tests/test_descriptor.py",
               "tests/test_cli.py", "tests/test_lint.py", "tests/test_bench_cli.py",
               "tests/test_bench_data.py", "tests/test_bench_peers.py", "tests/test_bench_registry.py"]
 #: What mypy checks; imports it follows are read but not reported on.
 MYPY_ARGS = ["--follow-imports", "silent", "mploader/cli.py", "mploader/__main__.py",
+             "mploader/_descriptor.py", "mploader/_structure.py", "mploader/_inband.py", "mploader/_sizing.py",
              "mploader/_version.py", "bench/mploader_bench"]
 
 
