@@ -3,7 +3,7 @@ shared-memory slot ring; the training loop receives zero-copy numpy views."""
 from . import batchify, sampler
 from ._collate import default_batchify
 from ._engine import WorkerError
-from ._version import __version__
+from ._version import __version__ as __version__
 from .dataloader import DataLoader
 from .iterators import MultiprocessIterator, OrderSampler, ShuffleOrderSampler
 from .sampler import BatchSampler, FilterSampler, IntervalSampler, RandomSampler, Sampler, SequentialSampler

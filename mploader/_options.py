@@ -20,8 +20,9 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -68,7 +69,10 @@ def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int
     """
     if value is None and none_ok:
         return None
-    expected = _BOUNDS.get(minimum, "an integer" if minimum is None else f"an integer >= {minimum}")
+    if minimum is None:
+        expected = "an integer"
+    else:
+        expected = _BOUNDS.get(minimum, f"an integer >= {minimum}")
     if none_ok:
         expected += " or None"
     if isinstance(value, (bool, np.bool_)):
@@ -255,6 +259,12 @@ class LoaderOptions:
         put(self, "maxtasksperchild", check_int(n("maxtasksperchild"), self.maxtasksperchild, minimum=1,
                                                 none_ok=True))
         put(self, "slow_after_s", check_seconds(n("slow_after_s"), self.slow_after_s))
+
+    @property
+    def base_seed(self) -> int:
+        """The resolved base seed (``seed``, or :func:`default_seed` for None)."""
+        assert self.seed is not None  # resolved in __post_init__
+        return self.seed
 
     @property
     def in_flight(self) -> int:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import ctypes
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 #: cudaHostRegisterPortable: the registration counts for every CUDA context.
 CUDA_HOST_REGISTER_PORTABLE = 1

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from . import _engine, _pinning
 from ._collate import Alloc, collate_gluon
@@ -154,7 +155,7 @@ class DataLoader:
                 check_choice("last_batch", last_batch, _LAST_BATCH)
             if sampler is None:
                 if shuffle:
-                    sampler = self._shuffler = RandomSampler(len(dataset), seed=options.seed)
+                    sampler = self._shuffler = RandomSampler(len(dataset), seed=options.base_seed)
                 else:
                     sampler = SequentialSampler(len(dataset))
             elif shuffle:
@@ -194,18 +195,19 @@ class DataLoader:
         for i, indices in enumerate(self._batch_sampler):
             yield epoch, i, indices
 
-    def __iter__(self) -> "_LoaderIter":
+    def __iter__(self) -> _LoaderIter:
         epoch = self._epoch
         self._epoch += 1
         tasks = self._tasks(epoch)
         options = self._options
+        gen: Iterator[Any]
         if self._engine is not None:
             gen = self._engine.run(tasks)
         elif options.thread_pool and options.num_workers > 0:
-            gen = _engine.ThreadRun(self._dataset, self._fetch, tasks, options.num_workers, options.prefetch,
+            gen = _engine.ThreadRun(self._dataset, self._fetch, tasks, options.num_workers, options.in_flight,
                                     options.timeout_s)
         else:
-            gen = _engine.InlineRun(self._dataset, self._fetch, tasks, options.seed)
+            gen = _engine.InlineRun(self._dataset, self._fetch, tasks, options.base_seed)
         polled = self._pinner if not _ENGINE_ON_GROW else None
         return _LoaderIter(gen, len(self), self._engine, polled)
 
@@ -233,7 +235,7 @@ class DataLoader:
         if self._engine is not None:
             self._engine.close()
 
-    def __enter__(self) -> "DataLoader":
+    def __enter__(self) -> DataLoader:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -251,7 +253,7 @@ class _LoaderIter:
         # Until the engine notifies growth (on_grow), the pinner looks after each batch.
         self._polled = polled
 
-    def __iter__(self) -> "_LoaderIter":
+    def __iter__(self) -> _LoaderIter:
         return self
 
     def __next__(self) -> Any:

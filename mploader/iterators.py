@@ -21,7 +21,8 @@ import queue
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -86,7 +87,7 @@ class ShuffleOrderSampler(OrderSampler):
 
     def __init__(self, random_state: Any = None) -> None:
         if random_state is None:
-            random_state = np.random.random.__self__  # the global RandomState
+            random_state = cast(Any, np.random.random).__self__  # the global RandomState
         self._random = random_state
 
     def __call__(self, current_order: np.ndarray, current_position: int) -> np.ndarray:
@@ -137,6 +138,7 @@ def _advance(state: _State, batch_size: int, repeat: bool, order_sampler: Callab
     while end >= n:
         parts.append(_span(order, pos, n))
         if order is not None:
+            assert order_sampler is not None  # an order exists only with an order sampler
             new_order = np.asarray(order_sampler(order.copy(), pos))
             if len(new_order) != len(order):
                 raise ValueError(f"order_sampler returned an order of size {len(new_order)}, expected "
@@ -254,7 +256,7 @@ class _InlineRun:
         self._loader = loader
         self.consumed = False
 
-    def __iter__(self) -> "_InlineRun":
+    def __iter__(self) -> _InlineRun:
         return self
 
     def __next__(self) -> list:
@@ -440,7 +442,7 @@ class MultiprocessIterator:
         self.order_sampler = order_sampler
         self.dataset_timeout = options.slow_after_s
         self.maxtasksperchild = options.maxtasksperchild
-        self._seed = options.seed
+        self._seed = options.base_seed
         self._lock = threading.Lock()
         self._engine: _engine.Engine | None = None
         self._inline_loader: _InlineLoader | None = None
@@ -591,7 +593,7 @@ class MultiprocessIterator:
 
     next = __next__
 
-    def __iter__(self) -> "MultiprocessIterator":
+    def __iter__(self) -> MultiprocessIterator:
         return self
 
     # ---- lifecycle ----
@@ -612,13 +614,13 @@ class MultiprocessIterator:
             loader.close()
         self._run = None
 
-    def __enter__(self) -> "MultiprocessIterator":
+    def __enter__(self) -> MultiprocessIterator:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.finalize()
 
-    def __copy__(self) -> "MultiprocessIterator":
+    def __copy__(self) -> MultiprocessIterator:
         """A new iterator over the same dataset, standing where this one stands
         (it starts its own workers).  The order sampler is shared, not called."""
         other = type(self).__new__(type(self))

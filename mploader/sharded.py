@@ -1,7 +1,8 @@
 """``mploader.ShardedDataLoader``: GluonNLP 0.10's ShardedDataLoader on the slot ring."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ._collate import Alloc
 from .dataloader import BatchifyFetch, DataLoader

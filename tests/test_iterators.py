@@ -19,11 +19,11 @@ import warnings
 
 import numpy as np
 import pytest
+from _util import arrays_in, lease_of
 
 import mploader
 from mploader import MultiprocessIterator, ShuffleOrderSampler
 from mploader._ring import SlotLease
-from _util import lease_of, arrays_in
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -365,7 +365,7 @@ def test_kept_batches_never_change(procs):
         with make(ds, 4, procs, shuffle=False) as it:
             for _ in range(20):
                 kept.append((it.next(), it.current_position, it.epoch))
-    for batch, position, epoch in kept:
+    for batch, position, _epoch in kept:
         start = (position - len(batch)) % 15
         assert example_equal(batch, [ds[(start + j) % 15] for j in range(len(batch))])
 
@@ -678,6 +678,7 @@ def test_maxtasksperchild_over_many_epochs_never_stalls(procs, per_child):
 @pytest.mark.parametrize("procs", [1, 2], ids=lambda n: f"procs{n}")
 def test_dropping_the_iterator_stops_its_workers_at_once(procs):
     import gc
+
     import psutil
 
     gc.disable()  # the workers must stop by reference counting alone

@@ -4,7 +4,8 @@ import itertools
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mploader.sampler import (
     BatchSampler,
@@ -14,7 +15,6 @@ from mploader.sampler import (
     Sampler,
     SequentialSampler,
 )
-
 
 # ---------------------------------------------------------------- reference
 

@@ -11,11 +11,11 @@ import warnings
 
 import numpy as np
 import pytest
+from _util import arrays_in, assert_same, lease_of
 
 import mploader
 from mploader import batchify as bf
 from mploader._ring import SlotLease
-from _util import lease_of, arrays_in, assert_same
 
 pytestmark = pytest.mark.timeout(60)
 
