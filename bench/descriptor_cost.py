@@ -47,21 +47,6 @@ def load_revision(rev: str) -> types.ModuleType:
     return mod
 
 
-def make_region(nslots: int, slot_bytes: int):
-    create = getattr(_ring, "create_region", None)
-    return create(nslots, slot_bytes) if create is not None else _ring.Region(nslots, slot_bytes)
-
-
-def take(region, slot: int):
-    """The lease of a READY slot and its (desc_off, desc_len)."""
-    got = region.wait(slot, 0)
-    if got is True:  # Region.wait -> bool, then Region.lease
-        lease = region.lease(slot)
-        m = region.meta(slot)
-        return lease, m[4], m[5]
-    return got, got.desc_off, got.desc_len  # Region.wait -> SlotLease with the header snapshot
-
-
 def run(mod: types.ModuleType, region, n: int, seq0: int) -> tuple[list[float], list[float]]:
     enc, dec = [], []
     clock = time.perf_counter_ns
@@ -77,9 +62,9 @@ def run(mod: types.ModuleType, region, n: int, seq0: int) -> tuple[list[float], 
         w.finish(batch)
         t1 = clock()
         del batch, images, labels, w
-        lease, desc_off, desc_len = take(region, 0)
+        lease = region.wait(0, 0)
         t2 = clock()
-        got = mod.decode(lease, desc_off, desc_len)
+        got = mod.decode(lease, lease.desc_off, lease.desc_len)
         t3 = clock()
         assert got[0].shape == (32, 3, 8, 8) and got[1].shape == (32,)
         del got, lease
@@ -97,7 +82,7 @@ def main() -> int:
     impls = {"current": current}
     if args.baseline:
         impls[f"at {args.baseline}"] = load_revision(args.baseline)
-    region = make_region(1, 1 << 16)
+    region = _ring.create_region(1, 1 << 16)
     results: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in impls}
     seq = 0
     gc.disable()  # a collection inside a timed call is noise, not descriptor cost

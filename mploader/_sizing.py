@@ -87,10 +87,6 @@ def sizing_for(region: _ring.Region) -> SlotSizing:
 
 
 def shrink(region: _ring.Region, slot: int, target: int) -> None:
-    """Give an ASSIGNED slot a payload of about ``target`` bytes, releasing the rest
-    of its memory."""
-    shrink_in_place = getattr(region, "shrink", None)
-    if shrink_in_place is not None:  # the tail's pages go back; no address space used
-        shrink_in_place(slot, target)
-    else:  # a fresh smaller range; the old one is punched out
-        region.grow(slot, target, 0)
+    """Shrink an ASSIGNED slot in place to ``target`` bytes (rounded up to a page):
+    the tail's memory goes back to the kernel, no address space is used."""
+    region.resize(slot, target)
