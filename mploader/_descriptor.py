@@ -350,56 +350,64 @@ def decode(lease: _ring.SlotLease, desc_off: int, desc_len: int, copy: bool = Fa
     CorruptDescriptor
         The descriptor lies outside the slot, fails a check (magic, version,
         lengths, counts, dtypes, pickle opcodes), or names an array outside the
-        slot; the message names the field and its value.
+        slot; the message names the slot, the batch, the field and its value
+        (attributes ``slot``, and ``field == "descriptor"``).  A subclass of
+        :class:`mploader._ring.CorruptSlotError`.
     """
-    nbytes = lease.nbytes
-    if desc_off < 0 or desc_len < S.HEADER.size or desc_off + desc_len > nbytes:
-        raise CorruptDescriptor(
-            f"descriptor [{desc_off}, {desc_off + desc_len}) outside the {nbytes}-byte slot "
-            f"or shorter than its {S.HEADER.size}-byte header")
-    magic, version, _, struct_len, values_len, var_len, digest = S.HEADER.unpack_from(lease, desc_off)
-    if magic != S.MAGIC or version != S.VERSION:
-        raise CorruptDescriptor(f"descriptor magic {magic:#x} version {version}, expected {S.MAGIC:#x} "
-                                f"version {S.VERSION}")
-    if S.HEADER.size + struct_len + values_len + var_len != desc_len:
-        raise CorruptDescriptor(
-            f"descriptor sections (structure {struct_len}, values {values_len}, var {var_len} bytes) do not "
-            f"add up to desc_len {desc_len}")
-    p = desc_off + S.HEADER.size
-    tmpl = _TEMPLATES.get(digest)
-    if tmpl is None or tmpl.struct_len != struct_len:
-        with memoryview(lease) as mv:
-            data = bytes(mv[p:p + struct_len])
-        if S.digest(data) != digest:
-            raise CorruptDescriptor(f"descriptor structure hash {digest:#x} does not match its "
-                                    f"{struct_len} structure bytes")
-        tmpl = S.parse(data)
-        if len(_TEMPLATES) >= S.CACHE_ENTRIES:
-            _TEMPLATES.clear()
-        _TEMPLATES[digest] = tmpl
-    p += struct_len
-    if tmpl.values.size != values_len:
-        raise CorruptDescriptor(f"descriptor values section is {values_len} bytes, its structure "
-                                f"needs {tmpl.values.size}")
-    v = tmpl.values.unpack_from(lease, p)
-    if tmpl.var_slots:
-        p += values_len
-        pos = [0]
-        end = 0
-        for i in tmpl.var_slots:
-            end += v[i]
-            pos.append(end)
-        if end != var_len:
-            raise CorruptDescriptor(f"descriptor var lengths add up to {end}, the var section is {var_len} bytes")
-        with memoryview(lease) as mv:
-            var = mv[p:p + var_len]
-        b = (lease, copy, var, pos)
-        try:
-            return tmpl.build(v, b)
-        finally:
-            var.release()
-    return tmpl.build(v, (lease, copy))
+    try:
+        nbytes = lease.nbytes
+        if desc_off < 0 or desc_len < S.HEADER.size or desc_off + desc_len > nbytes:
+            raise CorruptDescriptor(
+                f"descriptor [{desc_off}, {desc_off + desc_len}) outside the {nbytes}-byte slot "
+                f"or shorter than its {S.HEADER.size}-byte header")
+        magic, version, _, struct_len, values_len, var_len, digest = S.HEADER.unpack_from(lease, desc_off)
+        if magic != S.MAGIC or version != S.VERSION:
+            raise CorruptDescriptor(f"descriptor magic {magic:#x} version {version}, expected {S.MAGIC:#x} "
+                                    f"version {S.VERSION}")
+        if S.HEADER.size + struct_len + values_len + var_len != desc_len:
+            raise CorruptDescriptor(
+                f"descriptor sections (structure {struct_len}, values {values_len}, var {var_len} bytes) do not "
+                f"add up to desc_len {desc_len}")
+        p = desc_off + S.HEADER.size
+        tmpl = _TEMPLATES.get(digest)
+        if tmpl is None or tmpl.struct_len != struct_len:
+            with memoryview(lease) as mv:
+                data = bytes(mv[p:p + struct_len])
+            if S.digest(data) != digest:
+                raise CorruptDescriptor(f"descriptor structure hash {digest:#x} does not match its "
+                                        f"{struct_len} structure bytes")
+            tmpl = S.parse(data)
+            if len(_TEMPLATES) >= S.CACHE_ENTRIES:
+                _TEMPLATES.clear()
+            _TEMPLATES[digest] = tmpl
+        p += struct_len
+        if tmpl.values.size != values_len:
+            raise CorruptDescriptor(f"descriptor values section is {values_len} bytes, its structure "
+                                    f"needs {tmpl.values.size}")
+        v = tmpl.values.unpack_from(lease, p)
+        if tmpl.var_slots:
+            p += values_len
+            pos = [0]
+            end = 0
+            for i in tmpl.var_slots:
+                end += v[i]
+                pos.append(end)
+            if end != var_len:
+                raise CorruptDescriptor(f"descriptor var lengths add up to {end}, the var section is {var_len} bytes")
+            with memoryview(lease) as mv:
+                var = mv[p:p + var_len]
+            b = (lease, copy, var, pos)
+            try:
+                return tmpl.build(v, b)
+            finally:
+                var.release()
+        return tmpl.build(v, (lease, copy))
 
+    except CorruptDescriptor as e:
+        if e.slot is not None:
+            raise
+        raise CorruptDescriptor(f"slot {lease.slot} (batch {lease.seq}): {e}", slot=lease.slot,
+                                field="descriptor") from e.__cause__
 
 def read_record(lease: _ring.SlotLease, desc_off: int, desc_len: int) -> Any:
     """Decode a slot whose arrays (if any) must be copied out: an error record.

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from . import _ring
+
 #: NumPy's limit on dimensions.
 MAX_NDIM = 64
 _OBJECT = np.dtype(object)
@@ -37,8 +39,12 @@ _MEMO_PUTS = frozenset(("PUT", "BINPUT", "LONG_BINPUT"))
 _MEMO_GETS = frozenset(("GET", "BINGET", "LONG_BINGET"))
 
 
-class CorruptDescriptor(RuntimeError):
-    """A slot's descriptor is malformed or describes memory outside its slot."""
+class CorruptDescriptor(_ring.CorruptSlotError):
+    """A slot's descriptor is malformed or describes memory outside its slot.
+
+    One of the ring's corrupt-shared-state errors; :func:`mploader._descriptor.decode`
+    sets ``slot`` and prefixes the message with the slot and batch.
+    """
 
 
 def simple_dtype(dtype: np.dtype) -> bool:

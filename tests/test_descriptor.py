@@ -265,14 +265,18 @@ def descriptor(slot, build=tiny):
 
 
 def assert_corrupt(lease, off, n, match):
-    """decode raises CorruptDescriptor matching ``match`` and allocates < 1 MiB doing so."""
+    """decode raises CorruptDescriptor (a CorruptSlotError) naming the slot, the batch
+    and ``match``, and allocates < 1 MiB doing so."""
     tracemalloc.start()
     try:
-        with pytest.raises(D.CorruptDescriptor, match=match):
+        with pytest.raises(_ring.CorruptSlotError, match=match) as info:
             D.decode(lease, off, n)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+    assert type(info.value) is D.CorruptDescriptor
+    assert str(info.value).startswith(f"slot {lease.slot} (batch {lease.seq}): ")
+    assert info.value.slot == lease.slot and info.value.field == "descriptor"
     assert peak < 1 << 20, f"decode allocated {peak} bytes on a corrupt descriptor"
 
 
