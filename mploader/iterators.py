@@ -22,11 +22,12 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple, cast
+from typing import Any
 
 import numpy as np
 
 from . import _engine
+from ._chainer_state import OrderSampler, ShuffleOrderSampler, State, plan
 from ._options import MAX_SLOT_BYTES, LoaderOptions, check_callable, check_dataset, check_int
 
 try:  # the redesigned engine (issue 8) rebuilds worker errors in _errors
@@ -47,134 +48,6 @@ _EXAMPLE_LAYOUT_BYTES = 128
 _SLOT_LAYOUT_BYTES = 4096
 #: The engine options under Chainer's argument names, for messages.
 _CHAINER_NAMES = {"num_workers": "n_processes", "prefetch": "n_prefetch", "slow_after_s": "dataset_timeout"}
-
-
-class OrderSampler:
-    """Base class of order samplers, as ``chainer.iterators.OrderSampler``.
-
-    An order sampler is called by the iterator when it starts (and at every
-    ``reset()``) and whenever an epoch ends; it returns the order of the next epoch.
-    """
-
-    def __call__(self, current_order: np.ndarray, current_position: int) -> np.ndarray:
-        """Return the next order.
-
-        Parameters
-        ----------
-        current_order : ndarray of shape (N,), integer dtype
-            The order of the epoch that just ended (``arange(len(dataset))`` at
-            start/reset).  The iterator passes a copy; modifying it is harmless.
-        current_position : int
-            Where the iterator stood in that order when the epoch ended.
-
-        Returns
-        -------
-        ndarray of shape (N,)
-            Dataset indices in the order of the next epoch; N must stay constant.
-        """
-        raise NotImplementedError(f"{type(self).__name__} must implement __call__")
-
-
-class ShuffleOrderSampler(OrderSampler):
-    """Random orders, as ``chainer.iterators.ShuffleOrderSampler``.
-
-    Parameters
-    ----------
-    random_state : numpy.random.RandomState, optional
-        Source of the permutations; default NumPy's global RandomState, so
-        ``numpy.random.seed`` controls the orders exactly as it does in Chainer.
-    """
-
-    def __init__(self, random_state: Any = None) -> None:
-        if random_state is None:
-            random_state = cast(Any, np.random.random).__self__  # the global RandomState
-        self._random = random_state
-
-    def __call__(self, current_order: np.ndarray, current_position: int) -> np.ndarray:
-        return self._random.permutation(len(current_order))
-
-
-class _State(NamedTuple):
-    """Where iteration stands: as Chainer's ``IteratorState``."""
-
-    current_position: int
-    epoch: int
-    is_new_epoch: bool
-    order: np.ndarray | None
-
-
-def _span(order: np.ndarray | None, start: int, stop: int) -> np.ndarray:
-    if order is None:
-        return np.arange(start, stop, dtype=np.intp)
-    return np.array(order[start:stop])
-
-
-def _advance(state: _State, batch_size: int, repeat: bool, order_sampler: Callable | None,
-             dataset_len: int) -> tuple[_State, np.ndarray | None]:
-    """One batch of Chainer's iterator state machine.
-
-    Returns the state after the batch and the batch's dataset indices, or
-    ``(state, None)`` once a non-repeating iterator has finished its epoch.  A
-    batch that reaches the end of the epoch calls ``order_sampler(order, position)``
-    for the next order and, with ``repeat``, is completed from that order; a batch
-    larger than the epoch wraps around as many times as needed.
-
-    Raises
-    ------
-    ValueError
-        A repeating iterator over an empty epoch, or an order sampler that changed
-        the length of the order.
-    """
-    pos, epoch, _, order = state
-    if not repeat and epoch > 0:
-        return state, None
-    n = dataset_len if order is None else len(order)
-    if repeat and n == 0:
-        raise ValueError("the epoch size must be positive for an iterator with repeat=True, got an empty "
-                         + ("dataset" if order is None else "order"))
-    end = pos + batch_size
-    is_new_epoch = False
-    parts = []
-    while end >= n:
-        parts.append(_span(order, pos, n))
-        if order is not None:
-            assert order_sampler is not None  # an order exists only with an order sampler
-            new_order = np.asarray(order_sampler(order.copy(), pos))
-            if len(new_order) != len(order):
-                raise ValueError(f"order_sampler returned an order of size {len(new_order)}, expected "
-                                 f"{len(order)}: the size of the order must not change between epochs")
-            order = new_order
-        epoch += 1
-        is_new_epoch = True
-        pos = 0
-        if not repeat:
-            end = 0
-            break
-        end -= n
-    parts.append(_span(order, pos, end))
-    return _State(end, epoch, is_new_epoch, order), np.concatenate(parts)
-
-
-def _plan(state: _State, batch_size: int, repeat: bool, order_sampler: Callable | None, dataset_len: int,
-          states: collections.deque, failure: list) -> Iterator[tuple]:
-    """Engine tasks from ``state`` on; queues the state after each task in ``states``.
-
-    A task is ``(epoch, position, indices)`` of the batch's first example, so a
-    batch's worker seed depends only on where it starts.  An exception raised by
-    the state machine (order sampler) ends the plan and is kept in ``failure``; the
-    iterator raises it when the caller reaches that batch, not earlier.
-    """
-    while True:
-        try:
-            new_state, indices = _advance(state, batch_size, repeat, order_sampler, dataset_len)
-        except Exception as exc:  # noqa: BLE001 - re-raised by MultiprocessIterator.__next__
-            failure.append(exc)
-            return
-        if indices is None:
-            return
-        states.append(new_state)
-        yield state.epoch, state.current_position, indices.tolist()
-        state = new_state
 
 
 def _fetch_examples(dataset: Any, indices: list, alloc: Callable) -> list:
@@ -448,7 +321,7 @@ class MultiprocessIterator:
         self._inline_loader: _InlineLoader | None = None
         self._run: _Run | None = None
         self._finalized = False
-        self._state = _State(0, 0, False, None)
+        self._state = State(0, 0, False, None)
         self._previous_epoch_detail = -1.0
 
     def _init_args(self) -> dict:
@@ -491,7 +364,7 @@ class MultiprocessIterator:
             return None
         return self._previous_epoch_detail
 
-    def _set_state(self, state: _State) -> None:
+    def _set_state(self, state: State) -> None:
         """Move to ``state``; batches planned from the old state are discarded."""
         if self._finalized:
             raise NotImplementedError("Reset of finalized MultiProcessIterator is currently not supported.")
@@ -515,7 +388,7 @@ class MultiprocessIterator:
         order = None
         if self.order_sampler is not None:
             order = np.asarray(self.order_sampler(np.arange(len(self.dataset)), 0))
-        self._set_state(_State(0, 0, False, order))
+        self._set_state(State(0, 0, False, order))
         self._previous_epoch_detail = -1.0
 
     # ---- iteration ----
@@ -523,7 +396,7 @@ class MultiprocessIterator:
     def _start_run(self) -> _Run:
         states: collections.deque = collections.deque()
         failure: list = []
-        tasks = _plan(self._state, self.batch_size, self.repeat, self.order_sampler, len(self.dataset),
+        tasks = plan(self._state, self.batch_size, self.repeat, self.order_sampler, len(self.dataset),
                       states, failure)
         if self.n_processes == 0:
             loader = None
@@ -587,7 +460,7 @@ class MultiprocessIterator:
         self._adopt(run.states.popleft())
         return batch
 
-    def _adopt(self, state: _State) -> None:
+    def _adopt(self, state: State) -> None:
         self._previous_epoch_detail = self.epoch_detail
         self._state = state
 
@@ -626,7 +499,7 @@ class MultiprocessIterator:
         other = type(self).__new__(type(self))
         other._configure(**self._init_args())
         pos, epoch, is_new_epoch, order = self._state
-        other._state = _State(pos, epoch, is_new_epoch, None if order is None else order.copy())
+        other._state = State(pos, epoch, is_new_epoch, None if order is None else order.copy())
         other._previous_epoch_detail = self._previous_epoch_detail
         return other
 
@@ -655,7 +528,7 @@ class MultiprocessIterator:
             except KeyError:
                 got = serializer("_order", buffer)
             order = buffer if got is None else np.asarray(got)
-        state = _State(int(current_position), int(epoch), bool(is_new_epoch), order)
+        state = State(int(current_position), int(epoch), bool(is_new_epoch), order)
         old = self._state
         if (state[:3] != old[:3] or (order is not old.order
                                      and (order is None or old.order is None or not np.array_equal(order, old.order)))):
@@ -678,5 +551,5 @@ class MultiprocessIterator:
             raise ValueError(f"cannot unpickle a MultiprocessIterator state of version {state.get('version')!r}, "
                              "expected 1")
         self._configure(**state["init"])
-        self._state = _State(state["current_position"], state["epoch"], state["is_new_epoch"], state["order"])
+        self._state = State(state["current_position"], state["epoch"], state["is_new_epoch"], state["order"])
         self._previous_epoch_detail = state["previous_epoch_detail"]
