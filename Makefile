@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 PIP_INSTALL := $(PY) -m pip install -c constraints.txt
 BENCH_ARGS ?=
 
-.PHONY: test bench venv install-test install-bench clean
+.PHONY: test bench venv install-test install-bench clean ctest stress tsan
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,5 +26,44 @@ test: install-test
 bench: install-bench
 	$(VENV)/bin/mploader bench $(BENCH_ARGS)
 
+# ---- the C core alone (tests/c/test_ring.c + csrc/ring.c; no Python, no venv) ----
+# ctest  : the runs of tests/test_c_ring.py, under AddressSanitizer + UBSan (~10 s)
+# stress : longer runs of the stress phase under ASan + UBSan (a few minutes)
+# tsan   : ThreadSanitizer build; the contract phase and the stress phase with workers as
+#          threads (TSan sees threads, not processes; the protocol is the same)
+CC := gcc
+C_TEST_SRC := tests/c/test_ring.c csrc/ring.c
+C_TEST_CFLAGS := -std=c11 -Wall -Wextra -Werror -g -O1 -fno-omit-frame-pointer -Icsrc -pthread
+ASAN_ENV := ASAN_OPTIONS=halt_on_error=1:abort_on_error=1:detect_leaks=1 \
+	UBSAN_OPTIONS=halt_on_error=1:abort_on_error=1:print_stacktrace=1
+# die_after_fork=0: the contract phase forks from a thread and starts a thread in the
+# child (watch_parent); TSan refuses that by default although it is what workers do
+TSAN_ENV := TSAN_OPTIONS=halt_on_error=1:die_after_fork=0
+
+tests/c/test_ring: $(C_TEST_SRC) csrc/ring.h
+	$(CC) $(C_TEST_CFLAGS) -fsanitize=address,undefined $(C_TEST_SRC) -o $@
+
+tests/c/test_ring_tsan: $(C_TEST_SRC) csrc/ring.h
+	$(CC) $(C_TEST_CFLAGS) -fsanitize=thread $(C_TEST_SRC) -o $@
+
+ctest: tests/c/test_ring
+	$(ASAN_ENV) ./tests/c/test_ring 2 0 1 phase=contract
+	$(ASAN_ENV) ./tests/c/test_ring 3 12000 1 phase=stress slots=4 slot_bytes=0
+	$(ASAN_ENV) ./tests/c/test_ring 2 8000 2 phase=stress slots=2 slot_bytes=65536
+	$(ASAN_ENV) ./tests/c/test_ring 4 6000 3 phase=stress slots=8 slot_bytes=4096 max_need=300000 grow_pct=30
+	$(ASAN_ENV) ./tests/c/test_ring 3 12000 4 phase=stress mode=thread slots=3 slot_bytes=0 grow_pct=25
+
+stress: tests/c/test_ring
+	$(ASAN_ENV) ./tests/c/test_ring 4 200000 11 phase=stress slots=6 slot_bytes=0 watchdog=900
+	$(ASAN_ENV) ./tests/c/test_ring 4 60000 12 phase=stress slots=8 slot_bytes=4096 max_need=1000000 grow_pct=40 watchdog=900
+	$(ASAN_ENV) ./tests/c/test_ring 2 200000 13 phase=stress slots=2 slot_bytes=65536 watchdog=900
+	$(ASAN_ENV) ./tests/c/test_ring 3 200000 14 phase=stress mode=thread slots=3 slot_bytes=0 grow_pct=25 watchdog=900
+
+tsan: tests/c/test_ring_tsan
+	$(TSAN_ENV) ./tests/c/test_ring_tsan 2 0 1 phase=contract
+	$(TSAN_ENV) ./tests/c/test_ring_tsan 3 50000 4 phase=stress mode=thread slots=3 slot_bytes=0 grow_pct=25 watchdog=900
+	$(TSAN_ENV) ./tests/c/test_ring_tsan 4 30000 5 phase=stress mode=thread slots=2 slot_bytes=65536 watchdog=900
+	$(TSAN_ENV) ./tests/c/test_ring_tsan 2 20000 6 phase=stress slots=4 slot_bytes=0 watchdog=900
+
 clean:
-	rm -rf build bench/build $(VENV) *.egg-info bench/*.egg-info mploader/_ring.c mploader/*.so tests/c/test_ring
+	rm -rf build bench/build $(VENV) *.egg-info bench/*.egg-info mploader/_ring.c mploader/*.so tests/c/test_ring tests/c/test_ring_tsan

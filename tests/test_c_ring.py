@@ -52,6 +52,16 @@ RUNS = [
 ]
 
 
+#: ThreadSanitizer runs (workers as threads: TSan sees threads, not processes).
+TSAN_RUNS = [
+    ("tsan-contract", ["2", "0", "1", "phase=contract"]),
+    ("tsan-threads", ["3", "4000", "4", "phase=stress", "mode=thread", "slots=3", "slot_bytes=0", "grow_pct=25"]),
+]
+# die_after_fork=0: the contract phase forks from a thread and starts a thread in the
+# child (watch_parent does that in every worker); TSan refuses it by default.
+TSAN_ENV = {"TSAN_OPTIONS": "halt_on_error=1:die_after_fork=0"}
+
+
 @pytest.fixture(scope="module")
 def ring_binary(tmp_path_factory) -> Path:
     gcc = shutil.which("gcc")
@@ -65,7 +75,7 @@ def ring_binary(tmp_path_factory) -> Path:
         if not src.exists():
             pytest.fail(f"missing source {src}", pytrace=False)
     out = tmp_path_factory.mktemp("c_ring") / "test_ring"
-    cmd = [gcc, *CFLAGS, *map(str, SOURCES), "-o", str(out)]
+    cmd = [gcc, *CFLAGS, "-pthread", *map(str, SOURCES), "-o", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         pytest.fail(f"compiling the C ring test failed:\n$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}",
@@ -97,3 +107,38 @@ def test_c_ring(ring_binary: Path, argv: list[str]) -> None:
         assert int(stats["grows"]) > 0, report
         assert int(stats["out_of_order_releases"]) > 0, report
         assert int(stats["max_held"]) >= 2, report
+
+
+@pytest.fixture(scope="module")
+def tsan_binary(tmp_path_factory) -> Path:
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.fail("gcc not found on PATH (needed for the ThreadSanitizer build)", pytrace=False)
+    out = tmp_path_factory.mktemp("c_ring_tsan") / "test_ring_tsan"
+    flags = [f for f in CFLAGS if not f.startswith("-fsanitize")] + ["-fsanitize=thread", "-pthread"]
+    cmd = [gcc, *flags, *map(str, SOURCES), "-o", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 and "tsan" in proc.stderr:
+        pytest.skip(f"this gcc cannot link ThreadSanitizer (libtsan missing): {proc.stderr.strip()[-200:]}")
+    if proc.returncode != 0:
+        pytest.fail(f"compiling the TSan build failed:\n$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}",
+                    pytrace=False)
+    return out
+
+
+@pytest.mark.parametrize("argv", [r[1] for r in TSAN_RUNS], ids=[r[0] for r in TSAN_RUNS])
+def test_c_ring_tsan(tsan_binary: Path, argv: list[str]) -> None:
+    """The same protocol under ThreadSanitizer: no data race, no lock-order problem."""
+    env = dict(os.environ, **TSAN_ENV)
+    cmd = [str(tsan_binary), *argv]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=env)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{' '.join(cmd)} did not finish in {RUN_TIMEOUT} s\nstdout:\n{e.stdout}\nstderr:\n{e.stderr}",
+                    pytrace=False)
+    report = f"$ {' '.join(cmd)}\nexit status {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    if "unexpected memory mapping" in proc.stderr:  # TSan vs. high-entropy ASLR on some kernels
+        pytest.skip(f"ThreadSanitizer cannot run on this kernel's address layout:\n{proc.stderr[-300:]}")
+    assert proc.returncode == 0, report
+    assert "ThreadSanitizer" not in proc.stderr and "FAIL" not in proc.stderr, report
+    assert sum(line.startswith("test_ring OK:") for line in proc.stdout.splitlines()) == 1, report
