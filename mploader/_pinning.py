@@ -55,8 +55,10 @@ class HostPinner:
     larger, before that batch is returned, so every byte a returned batch views is
     page-locked.  :meth:`release` unregisters every range (at ``close()`` or when the
     engine is collected).  The pinner holds the ``Region`` object, so the mapping
-    cannot disappear before :meth:`release` has run.  Ranges a slot grew out of stay
-    registered (and hence resident) until then.  A failed registration warns once
+    cannot disappear before :meth:`release` has run.  Ranges the ring gives back to
+    the kernel (a range a slot grew out of, the tail of a shrunk slot) are never
+    reused, so no batch is ever read through a stale pinned page; they stay
+    registered, hence resident, until then.  A failed registration warns once
     (``RuntimeWarning``) and pinning stops; batches are then ordinary memory.
 
     Parameters

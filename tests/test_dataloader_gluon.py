@@ -21,6 +21,7 @@ from _util import arrays_in, assert_same, lease_of
 import mploader
 from mploader import _pinning
 from mploader import batchify as bf
+from mploader import dataloader as dl_module
 from mploader._ring import SlotLease
 
 pytestmark = pytest.mark.timeout(60)
@@ -442,7 +443,8 @@ def test_pin_memory_registers_the_region_as_it_grows(monkeypatch):
     loader = mploader.DataLoader(Growing(), 4, num_workers=2, pin_memory=True, batchify_fn=bf.List())
     try:
         for batch in loader:
-            region = loader._engine._res.region
+            engine = loader._engine
+            region = engine.region if hasattr(engine, "region") else engine._res.region
             registered = sum(c[2] for c in fake.calls if c[0] == "register")
             # every byte the returned batch views is registered by the time it is returned
             # (workers may have grown the region further for batches still in flight)
@@ -463,6 +465,28 @@ def test_pin_memory_registers_the_region_as_it_grows(monkeypatch):
     assert unregistered == starts
     loader.close()
     assert len([c for c in fake.calls if c[0] == "unregister"]) == len(starts)  # idempotent
+
+
+@pytest.mark.skipif(not dl_module._ENGINE_ON_GROW, reason="the engine does not notify region growth yet")
+def test_pinning_follows_growth_notifications_not_batches(monkeypatch):
+    """The pinner runs when the engine reports that the region grew (on_grow), not
+    after every batch: equal batches make the region grow a few times at most."""
+    fake = FakeCudart()
+    monkeypatch.setattr(_pinning, "cuda_runtime", lambda device_id: (fake, contextlib.nullcontext))
+    seen = []
+    real = _pinning.HostPinner.on_grow
+
+    def counting(self, region):
+        seen.append(region.file_bytes)
+        real(self, region)
+
+    monkeypatch.setattr(_pinning.HostPinner, "on_grow", counting)
+    with mploader.DataLoader(np.zeros((400, 256), np.float32), 4, num_workers=2, pin_memory=True) as loader:
+        batches = sum(1 for _ in loader)
+    assert batches == 100
+    assert 1 <= len(seen) <= 20, f"{len(seen)} notifications for {batches} batches"
+    assert seen == sorted(set(seen)), "each notification reports a larger region"
+    assert len([c for c in fake.calls if c[0] == "register"]) == len(seen)
 
 
 def test_pin_memory_registration_failure_warns_once(monkeypatch):

@@ -19,10 +19,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUFF_PATHS = ["mploader/cli.py", "mploader/__main__.py", "mploader/_version.py", "bench",
               "mploader/_descriptor.py", "mploader/_structure.py", "mploader/_inband.py", "mploader/_sizing.py",
               "tests/test_descriptor.py",
+              "mploader/__init__.py", "mploader/_options.py", "mploader/_pinning.py", "mploader/_collate.py",
+              "mploader/dataloader.py", "mploader/sharded.py", "mploader/iterators.py", "mploader/_chainer_state.py",
+              "mploader/sampler.py", "mploader/batchify.py", "mploader/_batchify_arrays.py",
+              "tests/test_options.py", "tests/test_dataloader_gluon.py", "tests/test_iterators.py",
+              "tests/test_sharded.py", "tests/test_batchify.py", "tests/test_sampler.py", "tests/test_core_args.py",
               "tests/test_cli.py", "tests/test_lint.py", "tests/test_bench_cli.py",
               "tests/test_bench_data.py", "tests/test_bench_peers.py", "tests/test_bench_registry.py"]
 #: What mypy checks; imports it follows are read but not reported on.
 MYPY_ARGS = ["--follow-imports", "silent", "mploader/cli.py", "mploader/__main__.py",
+             "mploader/_options.py", "mploader/_pinning.py", "mploader/_collate.py", "mploader/dataloader.py",
+             "mploader/sharded.py", "mploader/iterators.py", "mploader/_chainer_state.py", "mploader/sampler.py",
+             "mploader/batchify.py", "mploader/_batchify_arrays.py",
              "mploader/_descriptor.py", "mploader/_structure.py", "mploader/_inband.py", "mploader/_sizing.py",
              "mploader/_version.py", "bench/mploader_bench"]
 
