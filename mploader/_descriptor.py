@@ -36,6 +36,7 @@ in-band pickle's opcode stream.  A descriptor that fails raises
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 from typing import Any
 
@@ -56,6 +57,26 @@ try:
     from numpy.lib.array_utils import byte_bounds as _byte_bounds
 except ImportError:  # NumPy < 2.0
     _byte_bounds = np.byte_bounds  # type: ignore[attr-defined]
+
+
+def _holds_leaves(obj: list) -> bool:
+    """Whether a non-empty list holds Python leaves rather than arrays or containers
+    of them: its first element is not an array, list, tuple or dict, or every
+    element is a list and the first of those that is not empty starts with such
+    a leaf (ragged sequences)."""
+    x = obj[0]
+    if not isinstance(x, _CONTAINERS):
+        return True
+    if type(x) is not list or set(map(type, obj)) != _LIST_ONLY:
+        return False
+    for inner in obj:
+        if inner:
+            return not isinstance(inner[0], _CONTAINERS)
+    return True
+
+
+_LIST_ONLY = {list}
+_OBJECT = np.dtype(object)
 
 
 def _align(n: int) -> int:
@@ -222,13 +243,51 @@ class _Encoder:
         self.var.append(data)
         self.flags |= _ring.FLAG_INBAND
 
+    def leaf_list(self, obj: list) -> None:
+        """A list of Python leaves: natively when it is all str, int, float or
+        lists of int (ragged sequences), else pickled in-band."""
+        kinds = set(map(type, obj))
+        kind = kinds.pop() if len(kinds) == 1 else None
+        data: Any = None
+        try:
+            if kind is str:
+                joined = "\0".join(obj)
+                if joined.count("\0") == len(obj) - 1:  # no NUL inside a string
+                    op, data = S.STR_LIST, joined.encode("utf-8", "surrogatepass")
+            elif kind is int:
+                op, data = S.INT_LIST, np.array(obj, "<i8").tobytes()
+            elif kind is float:
+                op, data = S.FLOAT_LIST, np.array(obj, "<f8").tobytes()
+            elif kind is list and set(map(type, itertools.chain.from_iterable(obj))) <= {int}:
+                lengths = list(map(len, obj))
+                offsets = np.zeros(len(obj) + 1, "<i8")
+                np.cumsum(lengths, out=offsets[1:])
+                flat = np.fromiter(itertools.chain.from_iterable(obj), "<i8", int(offsets[-1]))
+                op, data = S.INT_LISTS, offsets.tobytes() + flat.tobytes()
+        except OverflowError:  # an int beyond 64 bits
+            data = None
+        if data is None:
+            return self.blob(obj)
+        self.sig.append(op)
+        self.vals += (len(obj), len(data))
+        self.var.append(data)
+        self.flags |= _ring.FLAG_INBAND
+        return None
+
     def walk(self, obj: Any, depth: int) -> None:
         t = type(obj)
         sig = self.sig
         if t is np.ndarray:
             dtype = obj.dtype
             if dtype.hasobject or dtype.itemsize == 0:
-                return self.blob(obj)
+                if dtype != _OBJECT or depth >= S.MAX_DEPTH:
+                    return self.blob(obj)
+                # its shape, then its items as a list (natively when they are all
+                # str, int or float; pickled otherwise)
+                items = list(obj.reshape(-1))
+                sig += (S.OBJ_ARRAY, obj.ndim)
+                self.vals += obj.shape
+                return self.leaf_list(items) if items and _holds_leaves(items) else self.blob(items)
             off, strides = self.place(obj)
             vals = self.vals
             vals.append(off)
@@ -240,10 +299,12 @@ class _Encoder:
                 vals += strides
             return None
         if t is list or t is tuple:
-            if depth >= S.MAX_DEPTH or (t is list and obj and not isinstance(obj[0], _CONTAINERS)):
-                # A list of leaves (what a batchify passes through when it cannot
-                # stack them: ragged sequences, strings, numbers of mixed types)
-                # travels pickled: count the batch as a fallback.
+            if t is list and obj and _holds_leaves(obj):
+                # A list of Python leaves (what a batchify passes through when it
+                # cannot stack them: strings, ragged sequences, numbers of mixed
+                # types) is not zero-copy: count the batch as a fallback.
+                return self.leaf_list(obj)
+            if depth >= S.MAX_DEPTH:
                 return self.blob(obj)
             sig.append(S.LIST if t is list else S.TUPLE)
             sig.append(len(obj))

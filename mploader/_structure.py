@@ -16,13 +16,17 @@ Structure grammar (little-endian; counts are u32)::
            | NAMEDTUPLE len class-pickle n node*n
            | ARRAY dtype ndim:u8 contiguous:u8 | SCALAR dtype
            | INT | FLOAT | BOOL | COMPLEX | NONE | STR | BYTES | BLOB
+           | STR_LIST | INT_LIST | FLOAT_LIST | INT_LISTS | OBJ_ARRAY ndim:u8 node
     dtype := D_STR len:u8 ascii-type-string | D_PICKLE len pickle
     const := K_NONE | K_FALSE | K_TRUE | K_INT i64 | K_FLOAT f64
            | K_STR len utf-8 | K_BYTES len bytes | K_TUPLE n const*n
 
 Values per leaf: ARRAY offset:u64, shape:u64*ndim (strides:i64*ndim when not
-contiguous); INT i64; FLOAT f64; BOOL u8; COMPLEX f64 f64; SCALAR itemsize bytes;
-STR / BYTES / BLOB their length in the var section, u64.
+contiguous); OBJ_ARRAY shape:u64*ndim; INT i64; FLOAT f64; BOOL u8; COMPLEX f64 f64; SCALAR itemsize bytes;
+STR / BYTES / BLOB their length in the var section, u64; STR_LIST / INT_LIST /
+FLOAT_LIST / INT_LISTS the list's length and their length in the var section, u64
+each (var: the strings UTF-8 encoded and joined by NUL; the ints or floats as
+little-endian 64-bit; for INT_LISTS the n + 1 offsets, then the concatenated ints).
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ from ._inband import (
     CorruptDescriptor,
     dtype_from_str,
     load_pickle,
+    object_array,
     simple_dtype,
 )
 
@@ -60,12 +65,20 @@ I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 # Structure opcodes (one byte each).
 TUPLE, LIST, DICT, NAMEDTUPLE = 1, 2, 3, 4
 ARRAY, INT, FLOAT, BOOL, COMPLEX, NONE, STR, BYTES, SCALAR, BLOB = range(16, 26)
+# Lists of Python leaves encoded without pickle: of str, of int (64-bit), of float,
+# of lists of int (ragged sequences such as token ids).
+STR_LIST, INT_LIST, FLOAT_LIST, INT_LISTS = range(32, 36)
+# An object array: its ndim, then one node for its items in C order (values: its shape).
+OBJ_ARRAY = 40
 # Constant (dict key) tags.
 K_NONE, K_FALSE, K_TRUE, K_INT, K_FLOAT, K_STR, K_BYTES, K_TUPLE = range(8)
 # Dtype tags.
 D_STR, D_PICKLE = 0, 1
 #: Values-format codes of the leaves whose structure entry is the opcode alone.
-LEAF_CODES = {INT: "q", FLOAT: "d", BOOL: "?", COMPLEX: "dd", NONE: "", STR: "Q", BYTES: "Q", BLOB: "Q"}
+LEAF_CODES = {INT: "q", FLOAT: "d", BOOL: "?", COMPLEX: "dd", NONE: "", STR: "Q", BYTES: "Q", BLOB: "Q",
+              STR_LIST: "QQ", INT_LIST: "QQ", FLOAT_LIST: "QQ", INT_LISTS: "QQ"}
+#: Leaves with bytes in the var section; their var length is the last value.
+VAR_LEAVES = frozenset((STR, BYTES, BLOB, STR_LIST, INT_LIST, FLOAT_LIST, INT_LISTS))
 
 _U32 = struct.Struct("<I")
 _I64 = struct.Struct("<q")
@@ -177,6 +190,12 @@ def compile_layout(sig: tuple) -> Layout:
             codes.extend("Q" * ndim)
             if not contiguous:
                 codes.extend("q" * ndim)
+        elif op == OBJ_ARRAY:
+            ndim = sig[pos]
+            pos += 1
+            out.append(ndim)
+            codes.extend("Q" * ndim)
+            node()
         elif op == SCALAR:
             dtype = sig[pos]
             pos += 1
@@ -355,6 +374,14 @@ def parse(data: bytes) -> Template:
                 codes.extend("q" * ndim)
                 take_vals(ndim)
             return _array_builder(dtype, first, ndim, bool(contiguous))
+        if op == OBJ_ARRAY:
+            ndim = rd.u8("ndim")
+            if ndim > MAX_NDIM or depth >= MAX_DEPTH:
+                raise CorruptDescriptor(f"structure: object array of ndim {ndim} at byte {at} (depth {depth})")
+            codes.extend("Q" * ndim)
+            i = take_vals(ndim)
+            items = node(depth + 1)
+            return lambda v, b: object_array(v[i:i + ndim], items(v, b))
         if op == SCALAR:
             dtype = _read_dtype(rd)
             if dtype.itemsize == 0:
@@ -366,10 +393,10 @@ def parse(data: bytes) -> Template:
             c = LEAF_CODES[op]
             codes.extend(c)
             i = take_vals(len(c))
-            if op in (STR, BYTES, BLOB):
+            if op in VAR_LEAVES:
                 j = len(var_slots)
-                var_slots.append(i)
-                return _VAR_BUILDERS[op](j)
+                var_slots.append(i + len(c) - 1)
+                return _VAR_BUILDERS[op](i, j)
             return _LEAF_BUILDERS[op](i)
         raise CorruptDescriptor(f"structure: unknown opcode {op} at byte {at}")
 
@@ -434,7 +461,7 @@ _LEAF_BUILDERS: dict[int, Callable[[int], Builder]] = {
 }
 
 
-def _var_str(j: int) -> Builder:
+def _var_str(i: int, j: int) -> Builder:
     def build(v: tuple, b: _Build) -> str:
         a, e = b[3][j], b[3][j + 1]
         try:
@@ -444,18 +471,67 @@ def _var_str(j: int) -> Builder:
     return build
 
 
-def _var_bytes(j: int) -> Builder:
+def _var_bytes(i: int, j: int) -> Builder:
     return lambda v, b: bytes(b[2][b[3][j]:b[3][j + 1]])
 
 
-def _var_blob(j: int) -> Builder:
+def _var_blob(i: int, j: int) -> Builder:
     def build(v: tuple, b: _Build) -> Any:
         a, e = b[3][j], b[3][j + 1]
         return load_pickle(b[2][a:e], f"in-band pickle {j} (var bytes [{a}, {e}))", b[0], b[1])
     return build
 
 
-_VAR_BUILDERS: dict[int, Callable[[int], Builder]] = {STR: _var_str, BYTES: _var_bytes, BLOB: _var_blob}
+def _var_str_list(i: int, j: int) -> Builder:
+    def build(v: tuple, b: _Build) -> list[str]:
+        count, a, e = v[i], b[3][j], b[3][j + 1]
+        raw = bytes(b[2][a:e])
+        # count the separators first: the split then makes exactly `count` strings
+        parts = raw.count(b"\0") + 1 if count else 0
+        if parts != count or (not count and raw):
+            raise CorruptDescriptor(f"str list {j} (var bytes [{a}, {e})): {count} strings, but the bytes hold "
+                                    f"{raw.count(0) + 1} NUL-separated parts")
+        if not count:
+            return []
+        try:
+            return str(raw, "utf-8", "surrogatepass").split("\0")
+        except UnicodeDecodeError as exc:
+            raise CorruptDescriptor(f"str list {j} (var bytes [{a}, {e})): {exc}") from None
+    return build
+
+
+def _var_number_list(dtype: str) -> Callable[[int, int], Builder]:
+    def make(i: int, j: int) -> Builder:
+        def build(v: tuple, b: _Build) -> list:
+            count, a, e = v[i], b[3][j], b[3][j + 1]
+            if e - a != 8 * count:
+                raise CorruptDescriptor(f"number list {j} (var bytes [{a}, {e})): {count} numbers need "
+                                        f"{8 * count} bytes")
+            return np.frombuffer(b[2], dtype, count, a).tolist()
+        return build
+    return make
+
+
+def _var_int_lists(i: int, j: int) -> Builder:
+    def build(v: tuple, b: _Build) -> list[list[int]]:
+        count, a, e = v[i], b[3][j], b[3][j + 1]
+        head = 8 * (count + 1)
+        if head > e - a or (e - a - head) % 8:
+            raise CorruptDescriptor(f"int lists {j} (var bytes [{a}, {e})): {count} lists do not fit")
+        total = (e - a - head) // 8
+        offsets = np.frombuffer(b[2], "<i8", count + 1, a)
+        if offsets[0] != 0 or offsets[-1] != total or (count and bool((offsets[1:] < offsets[:-1]).any())):
+            raise CorruptDescriptor(f"int lists {j} (var bytes [{a}, {e})): offsets are not 0 <= ... <= {total}")
+        flat = np.frombuffer(b[2], "<i8", total, a + head).tolist()
+        o = offsets.tolist()
+        return [flat[o[k]:o[k + 1]] for k in range(count)]
+    return build
+
+
+_VAR_BUILDERS: dict[int, Callable[[int, int], Builder]] = {
+    STR: _var_str, BYTES: _var_bytes, BLOB: _var_blob, STR_LIST: _var_str_list,
+    INT_LIST: _var_number_list("<i8"), FLOAT_LIST: _var_number_list("<f8"), INT_LISTS: _var_int_lists,
+}
 
 
 def _read_dtype(rd: _Reader) -> np.dtype:
