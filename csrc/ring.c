@@ -225,7 +225,7 @@ int mpl_region_create(mpl_region *r, uint32_t nslots, uint64_t slot_bytes, uint6
     r->fd = fd;
     r->nslots = nslots;
     r->payload_off = first_payload;
-    r->seen_bytes = initial;
+    atomic_init(&r->seen_bytes, initial);
     (void)mpl_self_pid(); /* installs the atfork handler before any worker forks */
 
     /* Fresh memfd pages are zero: every state word already reads MPL_FREE.  No
@@ -299,7 +299,7 @@ int mpl_region_attach(mpl_region *r, int fd, uint64_t *found_magic, uint32_t *fo
     r->fd = own;
     r->nslots = c.nslots;
     r->payload_off = first_payload;
-    r->seen_bytes = (uint64_t)st.st_size;
+    atomic_init(&r->seen_bytes, (uint64_t)st.st_size);
     (void)mpl_self_pid();
     return MPL_OK;
 }
@@ -438,28 +438,48 @@ static int take_ready(mpl_slot_hdr *h) {
     return (expect & MPL_STATE_MASK) == MPL_ASSIGNED ? MPL_ETIMEDOUT : MPL_ESTATE;
 }
 
-int mpl_slot_wait(mpl_region *r, uint32_t slot, int64_t timeout_ns) {
-    if (slot >= r->nslots)
-        return MPL_EINVAL;
-    mpl_slot_hdr *h = hdr_of(r, slot);
+static inline int64_t mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static int wait_ready(mpl_slot_hdr *h, int64_t timeout_ns, int64_t spin_ns) {
     int rc = take_ready(h);
     if (rc != MPL_ETIMEDOUT || timeout_ns == 0)
         return rc;
-    struct timespec deadline, now, rel;
-    if (timeout_ns > 0) {
-        clock_gettime(CLOCK_MONOTONIC, &deadline);
-        deadline.tv_sec += timeout_ns / 1000000000;
-        deadline.tv_nsec += timeout_ns % 1000000000;
-        if (deadline.tv_nsec >= 1000000000) {
-            deadline.tv_sec++;
-            deadline.tv_nsec -= 1000000000;
-        }
+    int64_t start = mono_ns();
+    int64_t deadline = timeout_ns > 0 ? start + timeout_ns : INT64_MAX;
+    if (spin_ns > 0) {
+        /* Spin first (only worth it with a spare core: the caller decides), without
+         * the waiter bit, so a publish during the spin costs the worker no wake. */
+        int64_t spin_end = spin_ns < deadline - start ? start + spin_ns : deadline;
+        do {
+            for (int i = 0; i < 64; i++) {
+                /* Relaxed: only a hint to try the acquire CAS of take_ready. */
+                uint32_t w = atomic_load_explicit(&h->state, memory_order_relaxed);
+                if ((w & MPL_STATE_MASK) != MPL_ASSIGNED) {
+                    rc = take_ready(h);
+                    if (rc != MPL_ETIMEDOUT)
+                        return rc;
+                }
+                cpu_relax();
+            }
+        } while (mono_ns() < spin_end);
     }
     for (;;) {
+        struct timespec rel;
         const struct timespec *tsp = NULL;
         if (timeout_ns > 0) {
-            clock_gettime(CLOCK_MONOTONIC, &now);
-            int64_t left = (int64_t)(deadline.tv_sec - now.tv_sec) * 1000000000 + (deadline.tv_nsec - now.tv_nsec);
+            int64_t left = deadline - mono_ns();
             if (left <= 0)
                 return MPL_ETIMEDOUT;
             rel.tv_sec = left / 1000000000;
@@ -487,28 +507,47 @@ int mpl_slot_wait(mpl_region *r, uint32_t slot, int64_t timeout_ns) {
     }
 }
 
-uint32_t mpl_slot_check(mpl_region *r, const mpl_slot_meta *m) {
-    if (m->kind != MPL_KIND_SLOT && m->kind != MPL_KIND_PIPE && m->kind != MPL_KIND_ERROR)
-        return MPL_FIELD_KIND;
-    if (m->offset % MPL_PAGE != 0 || m->offset < r->payload_off || m->offset > r->reserve_bytes)
+int mpl_slot_wait(mpl_region *r, uint32_t slot, int64_t timeout_ns) {
+    if (slot >= r->nslots)
+        return MPL_EINVAL;
+    return wait_ready(hdr_of(r, slot), timeout_ns, 0);
+}
+
+uint32_t mpl_slot_check_range(mpl_region *r, uint64_t offset, uint64_t capacity) {
+    if (offset % MPL_PAGE != 0 || offset < r->payload_off || offset > r->reserve_bytes)
         return MPL_FIELD_OFFSET;
-    if (m->capacity % MPL_PAGE != 0 || m->capacity > r->reserve_bytes - m->offset)
+    if (capacity % MPL_PAGE != 0 || capacity > r->reserve_bytes - offset)
         return MPL_FIELD_CAPACITY;
-    uint64_t end = m->offset + m->capacity;
-    if (end > r->seen_bytes) {
+    uint64_t end = offset + capacity;
+    /* Relaxed: a process-local high-water mark of a size that only grows; a stale
+     * value only costs one fstat. */
+    uint64_t seen = atomic_load_explicit(&r->seen_bytes, memory_order_relaxed);
+    if (end > seen) {
         /* The file only grows (fallocate mode 0; holes keep its size), and a worker
          * fallocates a range before publishing it: read the true size from the
          * kernel, not from the shared control block a stray writer could change. */
         struct stat st;
         if (r->fd < 0)
             return MPL_FIELD_UNCHECKED;
-        if (fstat(r->fd, &st) == 0 && (uint64_t)st.st_size > r->seen_bytes)
-            r->seen_bytes = (uint64_t)st.st_size;
-        if (m->offset > r->seen_bytes)
+        if (fstat(r->fd, &st) == 0 && (uint64_t)st.st_size > seen) {
+            seen = (uint64_t)st.st_size;
+            /* Relaxed store: see above (racing updaters store sizes that are all true). */
+            atomic_store_explicit(&r->seen_bytes, seen, memory_order_relaxed);
+        }
+        if (offset > seen)
             return MPL_FIELD_OFFSET;
-        if (end > r->seen_bytes)
+        if (end > seen)
             return MPL_FIELD_CAPACITY;
     }
+    return MPL_FIELD_NONE;
+}
+
+uint32_t mpl_slot_check(mpl_region *r, const mpl_slot_meta *m) {
+    if (m->kind != MPL_KIND_SLOT && m->kind != MPL_KIND_PIPE && m->kind != MPL_KIND_ERROR)
+        return MPL_FIELD_KIND;
+    uint32_t bad = mpl_slot_check_range(r, m->offset, m->capacity);
+    if (bad != MPL_FIELD_NONE)
+        return bad;
     if (m->used > m->capacity)
         return MPL_FIELD_USED;
     if (m->desc_off > m->used)
@@ -518,9 +557,12 @@ uint32_t mpl_slot_check(mpl_region *r, const mpl_slot_meta *m) {
     return MPL_FIELD_NONE;
 }
 
-int mpl_slot_take(mpl_region *r, uint32_t slot, int64_t timeout_ns, mpl_slot_meta *snap, uint32_t *bad_field) {
+int mpl_slot_take(mpl_region *r, uint32_t slot, int64_t timeout_ns, int64_t spin_ns, mpl_slot_meta *snap,
+                  uint32_t *bad_field) {
     *bad_field = MPL_FIELD_NONE;
-    int rc = mpl_slot_wait(r, slot, timeout_ns);
+    if (slot >= r->nslots)
+        return MPL_EINVAL;
+    int rc = wait_ready(hdr_of(r, slot), timeout_ns, spin_ns);
     if (rc != MPL_OK)
         return rc;
     /* LEASED: the header is ours (E3's acquire made the worker's writes visible);
@@ -605,6 +647,15 @@ int mpl_slot_begin(mpl_region *r, uint32_t slot, uint64_t seq) {
     uint32_t st = atomic_load_explicit(&h->state, memory_order_acquire) & MPL_STATE_MASK;
     if (st != MPL_ASSIGNED || h->meta.seq != seq)
         return MPL_ESTATE;
+    /* Writing through a range a stray writer changed would crash the worker (SIGBUS
+     * past the file) or overwrite memory outside the slot: check it; reset a bad one
+     * to empty (we hold the slot, so the header is ours to write) so the worker can
+     * still grow the slot and report. */
+    if (mpl_slot_check_range(r, h->meta.offset, h->meta.capacity) != MPL_FIELD_NONE) {
+        h->meta.offset = r->payload_off;
+        h->meta.capacity = 0;
+        return MPL_ECORRUPT;
+    }
     return MPL_OK;
 }
 

@@ -107,8 +107,8 @@ typedef struct mpl_region {
     int fd;                 /* the memfd, or -1 once closed */
     uint32_t nslots;
     uint64_t payload_off;   /* first payload byte: the control block and headers lie below */
-    uint64_t seen_bytes;    /* file size this process last saw (fstat); only grows; used by
-                             * the receiving thread's header checks (mpl_slot_check) */
+    _Atomic uint64_t seen_bytes; /* file size this process last saw (fstat); only grows;
+                                  * read by the header range checks (mpl_slot_check_range) */
 } mpl_region;
 
 /* Create a region of `nslots` slots with `slot_bytes` of payload each (0 allowed:
@@ -175,21 +175,29 @@ int mpl_slot_assign(mpl_region *r, uint32_t slot, uint64_t seq);
  * MPL_ESTATE (slot neither ASSIGNED nor READY) or MPL_ESYS. */
 int mpl_slot_wait(mpl_region *r, uint32_t slot, int64_t timeout_ns);
 
-/* Wait as mpl_slot_wait, take E3, copy the header into *snap and validate it
+/* Wait as mpl_slot_wait -- after spinning up to spin_ns (bounded by the timeout)
+ * on the state word without announcing a waiter, for callers with a spare core --
+ * take E3, copy the header into *snap and validate it
  * (mpl_slot_check).  Returns 0 (LEASED, *snap valid), MPL_ETIMEDOUT, MPL_ESTATE,
  * MPL_ESYS (EBADF: a grown range cannot be checked because the memfd is closed;
  * the slot is returned to FREE), or MPL_ECORRUPT: *bad_field names the field (snap holds the bad
  * values); the slot's payload range is reset to empty if offset or capacity was
  * bad, and the slot is returned to FREE (E4), so nothing leaks and the next batch
  * in it gets a fresh range from its worker's grow. */
-int mpl_slot_take(mpl_region *r, uint32_t slot, int64_t timeout_ns, mpl_slot_meta *snap,
+int mpl_slot_take(mpl_region *r, uint32_t slot, int64_t timeout_ns, int64_t spin_ns, mpl_slot_meta *snap,
                   uint32_t *bad_field);
+
+/* Check a payload range for this process's mapping: page-aligned, inside
+ * [payload_off, file size) and the reservation (fstat when it ends past the size
+ * seen so far).  Returns MPL_FIELD_NONE, MPL_FIELD_OFFSET, MPL_FIELD_CAPACITY or
+ * MPL_FIELD_UNCHECKED (memfd closed). */
+uint32_t mpl_slot_check_range(mpl_region *r, uint64_t offset, uint64_t capacity);
 
 /* Validate a header copy for reading through this process's mapping: kind, page
  * alignment, payload range inside [payload_off, file size) and the reservation,
  * used <= capacity, the descriptor inside [0, used).  May fstat the memfd once
  * when the range ends past the file size seen so far (growth).  Returns
- * MPL_FIELD_NONE or the first bad MPL_FIELD_*.  Receiving thread only. */
+ * MPL_FIELD_NONE or the first bad MPL_FIELD_*. */
 uint32_t mpl_slot_check(mpl_region *r, const mpl_slot_meta *m);
 
 /* Edge E4, LEASED -> FREE.  Returns 0 or MPL_ESTATE. */
@@ -214,8 +222,10 @@ uint8_t *mpl_slot_payload(mpl_region *r, uint32_t slot);
 
 /* ---- worker side ---- */
 
-/* Check that the slot is ASSIGNED for batch `seq` (acquire load pairing with E1).
- * Returns 0 or MPL_ESTATE. */
+/* Check that the slot is ASSIGNED for batch `seq` (acquire load pairing with E1)
+ * and that its payload range is sane (mpl_slot_check_range).  Returns 0,
+ * MPL_ESTATE, or MPL_ECORRUPT: the range was bad and has been reset to empty
+ * (offset payload_off, capacity 0; mpl_slot_grow still works). */
 int mpl_slot_begin(mpl_region *r, uint32_t slot, uint64_t seq);
 
 /* Give an ASSIGNED slot a new payload range of at least `need` bytes, copying the

@@ -80,9 +80,10 @@ cdef extern from "ring.h" nogil:
     int mpl_find_free(mpl_region *r, uint32_t start)
     int mpl_slot_assign(mpl_region *r, uint32_t slot, uint64_t seq)
     int mpl_slot_wait(mpl_region *r, uint32_t slot, int64_t timeout_ns)
-    int mpl_slot_take(mpl_region *r, uint32_t slot, int64_t timeout_ns, mpl_slot_meta *snap,
-                      uint32_t *bad_field)
+    int mpl_slot_take(mpl_region *r, uint32_t slot, int64_t timeout_ns, int64_t spin_ns,
+                      mpl_slot_meta *snap, uint32_t *bad_field)
     uint32_t mpl_slot_check(mpl_region *r, const mpl_slot_meta *m)
+    uint32_t mpl_slot_check_range(mpl_region *r, uint64_t offset, uint64_t capacity)
     int mpl_slot_release(mpl_region *r, uint32_t slot)
     int mpl_slot_reclaim(mpl_region *r, uint32_t slot)
     uint32_t mpl_slot_state(const mpl_region *r, uint32_t slot)

@@ -380,7 +380,7 @@ cdef class Region:
         if rc != MPL_OK:
             self._fail(rc, f"assign slot {slot} (needs FREE)", slot)
 
-    def wait(self, uint32_t slot, double timeout_s, list into=None):
+    def wait(self, uint32_t slot, double timeout_s, list into=None, double spin_s=0.0):
         """Wait up to ``timeout_s`` seconds (< 0: forever) for READY; take E3; return the lease.
 
         Taking E3 and creating the slot's single :class:`SlotLease` are one step (no
@@ -393,6 +393,12 @@ cdef class Region:
         its result is stored anywhere; a handler that raises (KeyboardInterrupt)
         would drop a lease that is only returned, and with it the batch.  A lease
         appended to a list the caller keeps survives that.
+
+        ``spin_s``: spin on the state word (CPU busy, GIL released) up to this many
+        seconds, bounded by ``timeout_s``, before sleeping; a batch published during
+        the spin costs neither side a system call.  Only worth it where a core is
+        spare (the caller decides, e.g. from ``os.sched_getaffinity``); 0 = sleep at
+        once.
 
         Returns
         -------
@@ -407,7 +413,7 @@ cdef class Region:
             The slot is neither ASSIGNED nor READY, or this process is not the
             region's owner (a forked child, an attached region).
         ValueError
-            ``timeout_s`` is NaN.
+            ``timeout_s`` is NaN, or ``spin_s`` is negative or NaN.
         """
         self._check(slot)
         cdef pid_t me = mpl_self_pid()
@@ -419,7 +425,10 @@ cdef class Region:
                                  f"(pid {self.owner_pid}); a forked child cannot take the parent's batches")
         if timeout_s != timeout_s:
             raise ValueError("timeout_s must be a number of seconds (< 0: forever), got nan")
+        if not spin_s >= 0:
+            raise ValueError(f"spin_s must be a non-negative number of seconds, got {spin_s}")
         cdef int64_t ns
+        cdef int64_t spin_ns = <int64_t>(min(spin_s, 9.0e9) * 1e9)
         if timeout_s < 0 or timeout_s > 9.0e9:
             ns = -1
         else:
@@ -429,10 +438,10 @@ cdef class Region:
         # Allocated before E3, so that nothing can fail once the slot is LEASED.
         cdef SlotLease lease = SlotLease.__new__(SlotLease)
         cdef uint32_t bad = MPL_FIELD_NONE
-        cdef int rc = mpl_slot_take(&self.r, slot, 0, &lease.m, &bad)
+        cdef int rc = mpl_slot_take(&self.r, slot, 0, 0, &lease.m, &bad)
         if rc == MPL_ETIMEDOUT and ns != 0:
             with nogil:
-                rc = mpl_slot_take(&self.r, slot, ns, &lease.m, &bad)
+                rc = mpl_slot_take(&self.r, slot, ns, spin_ns, &lease.m, &bad)
         if rc == MPL_OK:
             # C-level stores only (no Python code): the lease exists as soon as E3 is taken.
             lease.region = self
@@ -480,9 +489,21 @@ cdef class Region:
     # ---- worker side ----
 
     def begin(self, uint32_t slot, uint64_t seq):
-        """Check the slot is ASSIGNED for ``seq``; return its payload capacity (bytes)."""
+        """Check the slot is ASSIGNED for ``seq``; return its payload capacity (bytes).
+
+        Raises CorruptSlotError when the slot's payload range (offset, capacity) is
+        not a sane range of the region: the range is then reset to empty (capacity
+        0), so the worker may still ``grow`` the slot and publish its report.
+        """
         self._check(slot)
+        cdef mpl_slot_meta before = mpl_slot_meta_of(&self.r, slot)[0]
         cdef int rc = mpl_slot_begin(&self.r, slot, seq)
+        cdef uint32_t bad
+        if rc == MPL_ECORRUPT:
+            bad = mpl_slot_check_range(&self.r, before.offset, before.capacity)
+            if bad == MPL_FIELD_UNCHECKED:
+                raise OSError(9, f"begin slot {slot}: the region's memfd is closed; its range cannot be checked")
+            raise _corrupt(self, slot, bad, &before, "the slot's range was reset to empty")
         if rc != MPL_OK:
             if rc == MPL_ESTATE and mpl_slot_state(&self.r, slot) == MPL_ASSIGNED:
                 raise SlotStateError(f"begin slot {slot}: it is assigned to batch "
@@ -553,7 +574,8 @@ cdef class Region:
             self._fail(rc, f"publish slot {slot} (needs ASSIGNED)", slot)
 
 
-cdef object _corrupt(Region region, uint32_t slot, uint32_t bad, mpl_slot_meta *m):
+cdef object _corrupt(Region region, uint32_t slot, uint32_t bad, mpl_slot_meta *m,
+                     str outcome="the batch is dropped and the slot freed"):
     field = _FIELD_NAMES.get(bad, f"field {bad}")
     if bad == MPL_FIELD_KIND:
         value, why = m.kind, f"not KIND_SLOT/PIPE/ERROR ({MPL_KIND_SLOT}/{MPL_KIND_PIPE}/{MPL_KIND_ERROR})"
@@ -570,7 +592,7 @@ cdef object _corrupt(Region region, uint32_t slot, uint32_t bad, mpl_slot_meta *
     else:
         value, why = m.desc_len, f"desc_off {m.desc_off} + desc_len exceeds used {m.used}"
     return CorruptSlotError(f"slot {slot} (batch {m.seq}): corrupt header field {field} = {value}: {why}; "
-                            f"the batch is dropped and the slot freed", slot, field, value)
+                            f"{outcome}", slot, field, value)
 
 
 @cython.final

@@ -423,6 +423,68 @@ def test_corrupt_header_gives_corrupt_slot_error_and_frees_the_slot(case, name, 
     assert issubclass(CorruptSlotError, RuntimeError)
 
 
+BEGIN_CORRUPT = [
+    ("offset-unaligned", "offset", lambda m, r: m.offset + 8),
+    ("offset-in-headers", "offset", lambda m, r: 0),
+    ("offset-past-file", "offset", lambda m, r: r.file_bytes + (1 << 20)),
+    ("capacity-past-file", "capacity", lambda m, r: 1 << 30),
+    ("capacity-2^62", "capacity", lambda m, r: 1 << 62),
+]
+
+
+@pytest.mark.parametrize("case, name, value", BEGIN_CORRUPT, ids=[c[0] for c in BEGIN_CORRUPT])
+def test_begin_refuses_a_corrupt_range_and_resets_it(case, name, value):
+    def body():
+        r = create_region(2, 2 * PAGE, 1 << 26)
+        r.assign(1, 5)
+        bad = value(r.meta(1), r)
+        field(r, 1, name).value = bad
+        try:
+            r.begin(1, 5)
+        except CorruptSlotError as e:
+            out = [str(e), e.slot, e.field, e.value]
+        else:
+            return "no error"
+        m = r.meta(1)
+        out += [m.capacity, r.begin(1, 5)]
+        assert r.grow(1, 100)  # the worker can still report through the slot
+        r.payload(1)[:3] = b"err"
+        r.publish(1, _ring.KIND_ERROR, 0, 3, 0, 3)
+        lease = r.wait(1, 0)
+        out.append(bytes(lease))
+        return out
+
+    status, out = run_in_child(body)
+    assert status == "ok", out
+    msg, slot, fname, fvalue, capacity, begin_again, data = out
+    assert (slot, fname, capacity, begin_again, data) == (1, name, 0, 0, b"err")
+    assert msg.startswith(f"slot 1 (batch 5): corrupt header field {name} = {fvalue}: "), msg
+    assert msg.endswith("the slot's range was reset to empty"), msg
+
+
+def test_wait_spin():
+    r = create_region(2, PAGE)
+    r.assign(0, 1)
+    with pytest.raises(ValueError, match="spin_s must be a non-negative number of seconds, got -1.0"):
+        r.wait(0, 1, spin_s=-1)
+    with pytest.raises(ValueError, match="spin_s must be a non-negative number of seconds, got nan"):
+        r.wait(0, 1, spin_s=math.nan)
+    t0 = time.monotonic()
+    assert r.wait(0, 0.02, spin_s=10.0) is None  # the spin is bounded by the timeout
+    assert 0.015 <= time.monotonic() - t0 < 5
+    assert r._state_word(0) == _ring.STATE_ASSIGNED  # spun to the end: never announced a sleeper
+    w0 = r.wakes
+    got = []
+    t = threading.Thread(target=lambda: got.append(r.wait(0, 10.0, spin_s=5.0)))
+    t.start()
+    r.begin(0, 1)
+    r.publish(0, _ring.KIND_SLOT, 0, 0)
+    t.join(10)
+    assert got[0] is not None and got[0].seq == 1 and r.wakes == w0
+    got.clear()
+    assert r.state(0) == _ring.STATE_FREE
+
+
 def test_wait_on_a_closed_region_with_a_grown_slot():
     r = create_region(2, PAGE)
     r.assign(0, 1)

@@ -1154,7 +1154,7 @@ static void contract_shrink(void) {
     CHECK_RC(mpl_slot_publish(&r, 0, MPL_KIND_SLOT, 0, 5000, 0, 10), MPL_OK);
     mpl_slot_meta snap;
     uint32_t bad = 99;
-    CHECK_RC(mpl_slot_take(&r, 0, 0, &snap, &bad), MPL_OK);
+    CHECK_RC(mpl_slot_take(&r, 0, 0, 0, &snap, &bad), MPL_OK);
     CHECK(bad == MPL_FIELD_NONE && snap.used == 5000 && snap.capacity == 8192, "take after shrink");
     CHECK_RC(mpl_slot_shrink(&r, 0, 0), MPL_ESTATE); /* LEASED: not the worker's */
     CHECK_RC(mpl_slot_release(&r, 0), MPL_OK);
@@ -1164,7 +1164,7 @@ static void contract_shrink(void) {
     CHECK(m->capacity == 0, "shrink to 0: capacity %" PRIu64, m->capacity);
     do_grow(&r, 0, 2, 3000, 0, key);
     CHECK_RC(mpl_slot_publish(&r, 0, MPL_KIND_SLOT, 0, 3000, 0, 0), MPL_OK);
-    CHECK_RC(mpl_slot_take(&r, 0, 0, &snap, &bad), MPL_OK);
+    CHECK_RC(mpl_slot_take(&r, 0, 0, 0, &snap, &bad), MPL_OK);
     CHECK_RC(mpl_slot_release(&r, 0), MPL_OK);
     /* size hint: note_size only raises, set_size_hint lowers */
     mpl_region_note_size(&r, 1000);
@@ -1231,7 +1231,7 @@ static void contract_take(void) {
         }
         mpl_slot_meta snap;
         uint32_t bad = 99;
-        rc = mpl_slot_take(&r, 1, 0, &snap, &bad);
+        rc = mpl_slot_take(&r, 1, 0, 0, &snap, &bad);
         CHECK(rc == MPL_ECORRUPT && bad == k->want, "%s: take returned %s, field %u (expected MPL_ECORRUPT, %u)",
               k->what, rc_name(rc), bad, k->want);
         CHECK_STATE(&r, 1, MPL_FREE);
@@ -1247,9 +1247,9 @@ static void contract_take(void) {
     CHECK_RC(mpl_slot_publish(&r, 1, MPL_KIND_ERROR, 0, 200000, 5, 7), MPL_OK);
     mpl_slot_meta snap;
     uint32_t bad = 99;
-    CHECK_RC(mpl_slot_take(&r, 1, 0, &snap, &bad), MPL_OK);
+    CHECK_RC(mpl_slot_take(&r, 1, 0, 0, &snap, &bad), MPL_OK);
     CHECK(bad == MPL_FIELD_NONE && memcmp(&snap, m, sizeof snap) == 0, "snapshot differs from the header");
-    CHECK_RC(mpl_slot_take(&r, 1, 0, &snap, &bad), MPL_ESTATE); /* LEASED: no second lease */
+    CHECK_RC(mpl_slot_take(&r, 1, 0, 0, &snap, &bad), MPL_ESTATE); /* LEASED: no second lease */
     CHECK_RC(mpl_slot_release(&r, 1), MPL_OK);
     /* a grown range cannot be checked once the memfd is closed: EBADF, slot FREE */
     CHECK_RC(mpl_slot_assign(&r, 1, seq + 1), MPL_OK);
@@ -1257,9 +1257,108 @@ static void contract_take(void) {
     CHECK_RC(mpl_slot_publish(&r, 1, MPL_KIND_SLOT, 0, 10, 0, 0), MPL_OK);
     mpl_region_close_fd(&r);
     errno = 0;
-    CHECK_RC(mpl_slot_take(&r, 1, 0, &snap, &bad), MPL_ESYS);
+    CHECK_RC(mpl_slot_take(&r, 1, 0, 0, &snap, &bad), MPL_ESYS);
     CHECK(errno == EBADF, "errno %d after take on a closed region", errno);
     CHECK_STATE(&r, 1, MPL_FREE);
+    mpl_region_unmap(&r);
+}
+
+/* begin refuses (and resets) a payload range a stray writer broke, so the worker
+ * never writes outside its slot or past the file. */
+static void contract_begin_corrupt(void) {
+    snprintf(g_who, sizeof g_who, "contract/begin-corrupt");
+    mpl_region r;
+    int rc = mpl_region_create(&r, 2, 4096, 1ull << 24);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(2, 4096, 16 MiB) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    mpl_slot_meta *m = mpl_slot_meta_of(&r, 0);
+    uint64_t fsize = mpl_region_file_bytes(&r);
+    struct { const char *what; int off; uint64_t value; } cases[] = {
+        {"offset not page-aligned", 1, m->offset + 8},
+        {"offset in the headers", 1, 0},
+        {"offset past the file", 1, fsize + (1u << 20)},
+        {"offset past the reservation", 1, r.reserve_bytes + 4096},
+        {"capacity past the file", 0, 1u << 22},
+        {"capacity 2^62", 0, 1ull << 62},
+    };
+    for (uint64_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        uint64_t seq = 100 + i;
+        CHECK_RC(mpl_slot_assign(&r, 0, seq), MPL_OK);
+        if (cases[i].off)
+            m->offset = cases[i].value;
+        else
+            m->capacity = cases[i].value;
+        rc = mpl_slot_begin(&r, 0, seq);
+        CHECK(rc == MPL_ECORRUPT, "%s: begin returned %s", cases[i].what, rc_name(rc));
+        CHECK(m->offset == r.payload_off && m->capacity == 0, "%s: range not reset", cases[i].what);
+        CHECK(mpl_slot_check_range(&r, m->offset, m->capacity) == MPL_FIELD_NONE, "%s: reset range refused",
+              cases[i].what);
+        CHECK_RC(mpl_slot_begin(&r, 0, seq), MPL_OK); /* the reset range is sane */
+        do_grow(&r, 0, seq, 5000, 0, 0);
+        CHECK_RC(mpl_slot_publish(&r, 0, MPL_KIND_ERROR, 0, 5000, 0, 5000), MPL_OK);
+        mpl_slot_meta snap;
+        uint32_t bad;
+        CHECK_RC(mpl_slot_take(&r, 0, 0, 0, &snap, &bad), MPL_OK);
+        CHECK_RC(mpl_slot_release(&r, 0), MPL_OK);
+    }
+    mpl_region_unmap(&r);
+}
+
+typedef struct {
+    mpl_region *r;
+    uint32_t slot;
+    int64_t timeout_ns, spin_ns;
+    int rc;
+} spinner_arg_t;
+
+static void *spinner_thread(void *arg) {
+    spinner_arg_t *a = arg;
+    mpl_slot_meta snap;
+    uint32_t bad;
+    a->rc = mpl_slot_take(a->r, a->slot, a->timeout_ns, a->spin_ns, &snap, &bad);
+    return NULL;
+}
+
+/* Spinning before sleeping: a publish during the spin needs no wake; the spin never
+ * outlasts the timeout. */
+static void contract_spin(void) {
+    snprintf(g_who, sizeof g_who, "contract/spin");
+    mpl_region r;
+    int rc = mpl_region_create(&r, 2, 4096, 0);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(2, 4096, 0) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    uint64_t w0 = mpl_region_wake_count(&r);
+    CHECK_RC(mpl_slot_assign(&r, 1, 1), MPL_OK);
+    spinner_arg_t sa = {&r, 1, 10000 * MS, 5000 * MS, -100};
+    pthread_t t;
+    if (pthread_create(&t, NULL, spinner_thread, &sa) != 0)
+        die_sys("pthread_create");
+    CHECK_RC(mpl_slot_publish(&r, 1, MPL_KIND_SLOT, 0, 0, 0, 0), MPL_OK);
+    pthread_join(t, NULL);
+    CHECK(sa.rc == MPL_OK, "spinning take returned %s", rc_name(sa.rc));
+    CHECK(mpl_region_wake_count(&r) == w0, "a publish during the spin made %" PRIu64 " wakes",
+          mpl_region_wake_count(&r) - w0);
+    CHECK_RC(mpl_slot_release(&r, 1), MPL_OK);
+    /* spin budget above the timeout: still ETIMEDOUT at the timeout */
+    CHECK_RC(mpl_slot_assign(&r, 0, 2), MPL_OK);
+    mpl_slot_meta snap;
+    uint32_t bad;
+    int64_t t0 = now_ns();
+    CHECK_RC(mpl_slot_take(&r, 0, 20 * MS, 5000 * MS, &snap, &bad), MPL_ETIMEDOUT);
+    int64_t dt = now_ns() - t0;
+    CHECK(dt >= 19 * MS && dt < 2000 * MS, "take(20 ms, spin 5 s) returned after %" PRId64 " ms",
+          (int64_t)(dt / MS));
+    CHECK(mpl_slot_word(&r, 0) == MPL_ASSIGNED, "spin to the timeout must not announce a sleeper (0x%x)",
+          mpl_slot_word(&r, 0));
+    /* spin shorter than the timeout, then sleep: the bit is set */
+    CHECK_RC(mpl_slot_take(&r, 0, 30 * MS, 5 * MS, &snap, &bad), MPL_ETIMEDOUT);
+    CHECK(mpl_slot_word(&r, 0) == (MPL_ASSIGNED | MPL_WAITER), "word 0x%x after spin then sleep",
+          mpl_slot_word(&r, 0));
+    CHECK_RC(mpl_slot_reclaim(&r, 0), MPL_OK);
     mpl_region_unmap(&r);
 }
 
@@ -1287,7 +1386,7 @@ static void contract_attach(void) {
     CHECK_RC(mpl_slot_publish(&a, 3, MPL_KIND_SLOT, 0, 8, 0, 0), MPL_OK);
     mpl_slot_meta snap;
     uint32_t bad;
-    CHECK_RC(mpl_slot_take(&r, 3, 0, &snap, &bad), MPL_OK);
+    CHECK_RC(mpl_slot_take(&r, 3, 0, 0, &snap, &bad), MPL_OK);
     CHECK(memcmp(mpl_slot_payload(&r, 3), "attached", 8) == 0, "payload not shared");
     CHECK_RC(mpl_slot_release(&r, 3), MPL_OK);
     CHECK_RC(mpl_region_populate(&a), MPL_OK);
@@ -1357,7 +1456,7 @@ static void contract_pid(void) {
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "child status 0x%x (30: stale cached pid)", status);
     mpl_slot_meta snap;
     uint32_t bad;
-    CHECK_RC(mpl_slot_take(&r, 0, 0, &snap, &bad), MPL_OK);
+    CHECK_RC(mpl_slot_take(&r, 0, 0, 0, &snap, &bad), MPL_OK);
     CHECK(snap.worker_pid == c, "worker_pid %d, the publishing child was %d", (int)snap.worker_pid, (int)c);
     CHECK_RC(mpl_slot_release(&r, 0), MPL_OK);
     mpl_region_unmap(&r);
@@ -1378,6 +1477,8 @@ static void run_contract(void) {
     contract_take();
     contract_attach();
     contract_pid();
+    contract_begin_corrupt();
+    contract_spin();
     snprintf(g_who, sizeof g_who, "parent");
     g_soft = 0;
 }
