@@ -146,19 +146,19 @@ def check_dataset(dataset: Any, *, needs_len: bool = True) -> Any:
 def default_seed() -> int:
     """The base seed of a loader created with ``seed=None``, the same rule for every face.
 
-    It is read from NumPy's global random state *without advancing it*: the state is
-    saved, one 63-bit integer drawn, and the state restored.  So ``np.random.seed(s)``
-    at the top of a script makes every loader's seed (hence its shuffling and the
-    workers' random augmentation) reproducible, while the stream that upstream code
-    draws from -- Chainer's ``ShuffleOrderSampler``, Gluon's unseeded
-    ``RandomSampler`` -- is exactly the one upstream would see.  Two loaders created
-    with no NumPy draw in between get the same seed; pass ``seed=`` to tell them apart.
+    It is the 63-bit integer NumPy's global random state would draw next
+    (``np.random.randint(0, 2**63 - 1, dtype=np.int64)``), computed on a copy of that
+    state: the global RNG does not advance, and no other thread's draw can be lost or
+    repeated.  So ``np.random.seed(s)`` at the top of a script makes every loader's
+    seed (hence its shuffling and the workers' random augmentation) reproducible,
+    while the stream that upstream code draws from -- Chainer's
+    ``ShuffleOrderSampler``, Gluon's unseeded ``RandomSampler`` -- is exactly the one
+    upstream would see.  Two loaders created with no NumPy draw in between get the
+    same seed; pass ``seed=`` to tell them apart.
     """
-    state = np.random.get_state()
-    try:
-        return int(np.random.randint(0, 2**63 - 1, dtype=np.int64))
-    finally:
-        np.random.set_state(state)
+    peek = np.random.RandomState(0)
+    peek.set_state(np.random.get_state())
+    return int(peek.randint(0, 2**63 - 1, dtype=np.int64))
 
 
 def check_seed(name: str, seed: Any) -> int:
