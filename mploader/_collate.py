@@ -35,10 +35,11 @@ def _heap_alloc(shape: tuple, dtype: Any) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=256)
-def _asarray_dtype(dtype: np.dtype) -> np.dtype:
-    """The dtype ``np.asarray`` gives a list of arrays of ``dtype`` (native byte order:
-    ``np.asarray([a, b])`` of two '>i4' arrays is 'int32')."""
-    return np.asarray([np.empty(0, dtype)]).dtype
+def _asarray_dtype(dtype: np.dtype, count: int) -> np.dtype:
+    """The dtype ``np.asarray`` gives a list of ``count`` (1 or 2, meaning "more than
+    one") arrays of ``dtype``: with several, NumPy promotes them to a common dtype,
+    which makes the byte order native ('>i4' arrays give 'int32'); one is kept as is."""
+    return np.asarray([np.zeros(1, dtype) for _ in range(count)]).dtype
 
 
 def _uniform_arrays(samples: Sequence[Any]) -> bool:
@@ -71,7 +72,7 @@ def _asarray_into(samples: Sequence[Any], alloc: Alloc) -> Any:
     """``np.asarray(samples)`` written through ``alloc``; the list of the samples when
     NumPy cannot make a non-object array of them (ragged, mixed, arbitrary objects)."""
     if _uniform_arrays(samples):
-        return _stack_into(samples, _asarray_dtype(samples[0].dtype), alloc)
+        return _stack_into(samples, _asarray_dtype(samples[0].dtype, min(len(samples), 2)), alloc)
     try:
         arr = np.asarray(samples)
     except (ValueError, TypeError, OverflowError):
