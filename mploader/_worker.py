@@ -1,13 +1,14 @@
-"""The worker loop: receive a task, load its samples, collate into the slot, publish.
+"""The worker loop: read a task, load its samples, collate into the slot, publish.
 
-A worker is a forked child of the parent; it inherits the dataset, the batchify
-function and the slot region.  Tasks arrive on its end of a socketpair as pickled
-tuples ``(seq, slot, epoch, batch_index, indices)``; ``slot == -1`` means "no slot
-was free: send the batch through this pipe".  The pipe also carries batches that
-cannot be placed in the region at all (KIND_PIPE) and nothing else.
+A worker is a child of the parent -- forked (it inherits the dataset, the fetch
+function and the mapped region) or spawned (they arrive pickled, and the region's
+memfd as a passed descriptor that it maps with ``attach_region``).  Tasks arrive
+on its end of a pipe in the format of :mod:`mploader._protocol`; ``slot == -1``
+means "no slot was free: send the batch back through this pipe".
 """
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import random
@@ -22,10 +23,9 @@ import numpy as np
 
 from . import _ring
 from ._descriptor import SlotWriter
+from ._errors import BatchFailure
+from ._protocol import PIPE_HEADER, TaskReader, decode_task
 
-RETIRE = b"retire"
-#: Header of a batch sent through the pipe: (seq, kind), then the pickled batch.
-PIPE_HEADER = struct.Struct("<qI")
 _MASK64 = (1 << 64) - 1
 
 
@@ -52,101 +52,167 @@ def seed_rngs(seed64: int) -> None:
         torch.default_generator.manual_seed(seed64 & 0x7FFFFFFFFFFFFFFF)
 
 
-def error_record(exc: BaseException, seq: int, indices: Any) -> dict:
-    """A picklable description of an exception raised while loading a batch."""
-    try:
-        blob = pickle.dumps(exc, protocol=5)
-        pickle.loads(blob)  # some exceptions pickle but cannot be rebuilt
-    except Exception:
-        blob = None
-    return {
-        "exc": blob,
-        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-        "message": str(exc),
-        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-        "indices": indices,
-        "pid": os.getpid(),
-        "seq": seq,
-        "stage": "loading",
-    }
-
-
 @dataclass
-class WorkerContext:
-    """Everything a worker inherits from the parent at fork time."""
+class WorkerSpec:
+    """What every worker of one engine runs (pickled for spawn/forkserver workers)."""
 
-    worker_id: int
-    region: _ring.Region
-    conn: Any                      # multiprocessing.connection.Connection (worker end)
     dataset: Any
     fetch: Callable[[Any, Any, Callable], Any]   # (dataset, indices, alloc) -> batch
     seed: int
+    reseed_per_batch: bool
+    worker_init: Callable[[int, int], None] | None
+    num_workers: int
+
+
+@dataclass
+class WorkerBoot:
+    """One worker's own start-up data."""
+
+    worker_id: int
     parent_pid: int
-    drop: Callable[[], None]       # closes resources this child must not hold
+    conn: Any                                    # multiprocessing Connection (worker end)
+    region_fd: Any = None                        # spawn: a DupFd of the region's memfd
+    region: Any = None                           # fork: the inherited Region
+    drop: Callable[[], None] | None = None       # fork: closes what this child must not hold
 
 
-def worker_main(ctx: WorkerContext) -> None:
-    """Run the worker loop; never returns (the process exits)."""
+def _fresh_std_streams() -> None:
+    """Replace sys.stdout/stderr by new objects on fds 1/2 (forked children only).
+
+    A thread of the parent that was writing when the worker forked leaves the
+    stream's buffer lock held in the child forever; the first print, traceback or
+    flush of the worker would deadlock on it.  The old objects are abandoned
+    unflushed (their buffered bytes belong to the parent, which flushes them).
+    """
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        try:
+            encoding = getattr(old, "encoding", None) or "utf-8"
+            errors = getattr(old, "errors", None) or "backslashreplace"
+            new = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=encoding, errors=errors,
+                                   line_buffering=True, write_through=True)
+        except (OSError, ValueError):
+            continue
+        setattr(sys, name, new)
+        if getattr(sys, f"__{name}__") is old:
+            setattr(sys, f"__{name}__", new)
+
+
+def fork_main(spec: WorkerSpec, boot: WorkerBoot) -> None:
+    """Entry point of a forked worker; never returns (the process exits)."""
+    _fresh_std_streams()
+    _run(spec, boot)
+
+
+def spawn_main(spec: WorkerSpec, boot: WorkerBoot) -> None:
+    """Entry point of a spawned or forkserver worker; never returns."""
+    _run(spec, boot)
+
+
+def _run(spec: WorkerSpec, boot: WorkerBoot) -> None:
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _ring.set_pdeathsig(signal.SIGKILL, ctx.parent_pid)
-        ctx.drop()
-        ctx.region.populate()
-        _loop(ctx)
-    except BaseException:  # noqa: BLE001 - the process is about to exit; report why
+        _watch_parent(boot.parent_pid)
+        if boot.drop is not None:
+            boot.drop()
+        if boot.region is not None:
+            region = boot.region
+            region.populate()
+        else:
+            region = _ring.attach_region(boot.region_fd.detach())
+        init_failure = _init(spec, boot.worker_id)
+        _loop(spec, boot, region, init_failure)
+    except SystemExit as exc:  # sys.exit() in user code: exit with the status it asked for
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except (BrokenPipeError, ConnectionResetError):
+        code = 0  # the parent went away mid-send: nothing to report to anyone
+    except BaseException:  # noqa: BLE001 - the process is about to exit; say why
         code = 1
         try:
             traceback.print_exc()
-        except BaseException:
+        except BaseException:  # noqa: BLE001
             pass
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except BaseException:
+            except BaseException:  # noqa: BLE001
                 pass
         os._exit(code)
 
 
-def _loop(ctx: WorkerContext) -> None:
-    conn, region, dataset, fetch, conn_send = ctx.conn, ctx.region, ctx.dataset, ctx.fetch, ctx.conn.send_bytes
-    base_seed = ctx.seed
+def _watch_parent(parent_pid: int) -> None:
+    watch = getattr(_ring, "watch_parent", None)
+    if watch is not None:
+        watch(parent_pid)
+    else:  # pragma: no cover - older C core
+        _ring.set_pdeathsig(signal.SIGKILL, parent_pid)
+
+
+def _init(spec: WorkerSpec, worker_id: int) -> BatchFailure | None:
+    """Seed per worker (when not per batch) and run ``worker_init``; a failure is
+    reported as the error of every batch this worker is given (as torch does)."""
+    if spec.worker_init is None:
+        return None
+    try:
+        spec.worker_init(worker_id, spec.num_workers)
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - re-raised in the parent
+        return BatchFailure.capture(exc, -1, None, worker_id, stage="running worker_init for")
+    return None
+
+
+def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFailure | None) -> None:
+    conn = boot.conn
+    reader = TaskReader(conn.fileno())
+    send = conn.send_bytes
+    dataset, fetch, base_seed, reseed = spec.dataset, spec.fetch, spec.seed, spec.reseed_per_batch
+    wid = boot.worker_id
     while True:
         try:
-            msg = conn.recv_bytes()
+            msg = reader.next()
         except (EOFError, OSError):
             return
-        if msg == RETIRE:
+        task = decode_task(memoryview(msg))
+        if task is None:  # RETIRE
             return
-        seq, slot, epoch, batch_index, indices = pickle.loads(msg)
-        seed_rngs(batch_seed(base_seed, epoch, batch_index))
+        seq, slot = task.seq, task.slot
+        if reseed:
+            seed_rngs(batch_seed(base_seed, task.epoch, task.batch_index))
         writer = SlotWriter(region, slot, seq) if slot >= 0 else None
         alloc = writer.alloc if writer is not None else np.empty
-        try:
-            batch = fetch(dataset, indices, alloc)
-            kind = _ring.KIND_SLOT
-        except Exception as exc:  # noqa: BLE001 - re-raised in the parent
-            batch = error_record(exc, seq, indices)
+        if init_failure is not None:
+            init_failure.seq, init_failure.indices = seq, task.indices
+            batch: Any = init_failure
             kind = _ring.KIND_ERROR
-            exc = None
+        else:
+            try:
+                batch = fetch(dataset, task.indices, alloc)
+                kind = _ring.KIND_SLOT
+            except SystemExit:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the parent
+                batch = BatchFailure.capture(exc, seq, task.indices, wid)
+                kind = _ring.KIND_ERROR
+                del exc
         try:
-            _deliver(conn_send, writer, seq, kind, batch)
-        except (pickle.PicklingError, TypeError, AttributeError, ValueError) as exc:
+            _deliver(send, writer, seq, kind, batch)
+        except (pickle.PicklingError, TypeError, AttributeError, ValueError, struct.error) as exc:
             # The batch cannot be serialised (a lambda, a generator, ...): report
             # that to the parent as this batch's error instead of dying.
-            record = error_record(exc, seq, indices)
-            record["stage"] = "serialising (the batch could not be serialised)"
-            _deliver(conn_send, writer, seq, _ring.KIND_ERROR, record)
+            failure = BatchFailure.capture(exc, seq, task.indices, wid,
+                                           stage="serialising (the batch could not be serialised)")
+            _deliver(send, writer, seq, _ring.KIND_ERROR, failure)
         del batch, writer, alloc
 
 
-def _deliver(conn_send: Callable[[bytes], None], writer: SlotWriter | None, seq: int, kind: int,
-             obj: Any) -> None:
+def _deliver(send: Callable[[bytes], None], writer: SlotWriter | None, seq: int, kind: int, obj: Any) -> None:
     """Publish ``obj`` in the writer's slot, or send it through the pipe."""
     if writer is not None:
         data = writer.finish(obj, kind)
         if data is not None:
-            conn_send(PIPE_HEADER.pack(seq, kind) + data)
+            send(PIPE_HEADER.pack(seq, kind) + data)
     else:
-        conn_send(PIPE_HEADER.pack(seq, kind) + pickle.dumps(obj, protocol=5))
+        send(PIPE_HEADER.pack(seq, kind) + pickle.dumps(obj, protocol=5))

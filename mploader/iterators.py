@@ -27,19 +27,22 @@ from typing import Any
 import numpy as np
 
 from . import _engine
+from ._errors import is_batch_error
 from ._chainer_state import OrderSampler, ShuffleOrderSampler, State, plan
 from ._options import MAX_SLOT_BYTES, LoaderOptions, check_callable, check_dataset, check_int
 
-try:  # the redesigned engine (issue 8) rebuilds worker errors in _errors
-    from ._errors import WorkerTraceback as _WorkerTraceback  # type: ignore[import-not-found]
-except ImportError:
-    from ._engine import _WorkerTraceback
-
 __all__ = ["MultiprocessIterator", "OrderSampler", "ShuffleOrderSampler"]
 
-#: ``stacklevel`` that attributes the TimeoutWarning to the caller of ``next()`` when the
-#: engine reports the stall (_warn_stalled <- _on_slow <- Engine._await <- Run.__next__ <- __next__ <- caller).
-_ENGINE_STACKLEVEL = 6
+def _caller_stacklevel() -> int:
+    """``stacklevel`` that attributes a warning issued by ``_warn_stalled`` to the first
+    frame outside the mploader package (the caller of ``next()``)."""
+    import os
+    import sys
+    pkg = os.path.dirname(__file__)
+    frame, level = sys._getframe(1), 2  # _on_slow is level 2 (_warn_stalled is 1)
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == pkg:
+        frame, level = frame.f_back, level + 1
+    return level
 #: The same for the in-process path (_warn_stalled <- _InlineRun.__next__ <- __next__ <- caller).
 _INLINE_STACKLEVEL = 4
 #: Slot bytes per example beyond ``shared_mem`` (64-byte alignment, the example's
@@ -64,7 +67,7 @@ def _warn_stalled(waited_s: float, stacklevel: int) -> None:
 
 
 def _on_slow(seq: int, waited_s: float) -> None:
-    _warn_stalled(waited_s, _ENGINE_STACKLEVEL)
+    _warn_stalled(waited_s, _caller_stacklevel())
 
 
 def _serve(requests: queue.SimpleQueue) -> None:
@@ -175,7 +178,7 @@ class _Run:
         """
         if isinstance(self.batches, _InlineRun):
             return self.batches.consumed
-        return isinstance(exc.__cause__, _WorkerTraceback)
+        return is_batch_error(exc)
 
 
 class MultiprocessIterator:

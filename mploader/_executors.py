@@ -1,0 +1,283 @@
+"""Where batches are computed: worker processes, the calling process, a thread pool.
+
+* :class:`WorkerProcess` -- the parent's handle on one worker process (forked, or
+  started by a ``multiprocessing`` spawn/forkserver context): its pipe, its pidfd,
+  its exit status.  :func:`start_worker` makes one; :func:`stop_workers` ends a
+  group of them (close the pipes, a grace period, then SIGKILL).
+* :class:`InlineRun` -- ``num_workers=0``: each batch loaded when asked for.
+* :class:`ThreadRun` -- ``thread_pool=True``: daemon threads, plain arrays.
+"""
+from __future__ import annotations
+
+import collections
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.reduction
+import os
+import queue
+import random
+import select
+import signal
+import sys
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from ._errors import UNKNOWN_STATUS, ExitStatus
+from ._worker import WorkerBoot, WorkerSpec, batch_seed, fork_main, seed_rngs, spawn_main
+
+START_METHODS = ("fork", "spawn", "forkserver")
+
+
+class WorkerProcess:
+    """The parent's view of one worker.
+
+    ``outstanding`` (tasks sent and not yet consumed, in dispatch order) and
+    ``mailbox`` (batches that came back through the pipe, by seq) belong to the
+    scheduler; everything else to this module.
+    """
+
+    __slots__ = ("wid", "pid", "pidfd", "conn", "process", "status", "outstanding", "mailbox", "sent",
+                 "retiring")
+
+    def __init__(self, wid: int, pid: int, conn: Any, process: Any = None) -> None:
+        self.wid = wid
+        self.pid = pid
+        self.pidfd = os.pidfd_open(pid)
+        self.conn = conn
+        self.process = process          # multiprocessing.Process for spawn/forkserver, else None
+        self.status: ExitStatus | None = None
+        self.outstanding: collections.deque = collections.deque()
+        self.mailbox: dict[int, bytes] = {}
+        self.sent = 0
+        self.retiring = False
+
+    @property
+    def alive(self) -> bool:
+        return self.status is None
+
+    def reap(self, block: bool = False) -> bool:
+        """Collect the exit status if the process has ended; True once it has."""
+        if self.status is not None:
+            return True
+        if self.process is not None:
+            self.process.join(None if block else 0)
+            if self.process.exitcode is None:
+                return False
+            self.status = ExitStatus.from_exitcode(self.process.exitcode)
+            return True
+        try:
+            pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:  # SIGCHLD ignored: the kernel reaped it, status lost
+            self.status = UNKNOWN_STATUS
+            return True
+        if pid == 0:
+            return False
+        self.status = ExitStatus.from_wait_status(status)
+        return True
+
+    def close_fds(self) -> None:
+        for close in (self.conn.close, lambda: os.close(self.pidfd)):
+            try:
+                close()
+            except OSError:
+                pass
+        self.pidfd = -1
+
+
+def exited(workers: list[WorkerProcess], timeout_s: float) -> list[WorkerProcess]:
+    """The workers among ``workers`` whose process has ended, waiting up to ``timeout_s``.
+
+    poll(), not select(): a training process may hold more than FD_SETSIZE (1024)
+    descriptors, and select() cannot watch a descriptor numbered above that.
+    """
+    if not workers:
+        return []
+    poller = select.poll()
+    for w in workers:
+        poller.register(w.pidfd, select.POLLIN)
+    ready = {fd for fd, _ in poller.poll(max(0, int(timeout_s * 1000)))}
+    return [w for w in workers if w.pidfd in ready]
+
+
+def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
+                 drop_in_child: Callable[[], None]) -> WorkerProcess:
+    """Start worker ``wid``: ``fork`` runs :func:`fork_main` in a child of this
+    process; ``spawn``/``forkserver`` start a fresh interpreter that receives ``spec``
+    pickled and the region's memfd as a passed descriptor."""
+    parent_conn, child_conn = multiprocessing.Pipe(duplex=True)
+    parent_pid = os.getpid()
+    if start_method == "fork":
+        def drop() -> None:
+            parent_conn.close()
+            drop_in_child()
+
+        boot = WorkerBoot(wid, parent_pid, child_conn, region=region, drop=drop)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child
+            fork_main(spec, boot)
+        child_conn.close()
+        return WorkerProcess(wid, pid, parent_conn)
+    ctx = multiprocessing.get_context(start_method)
+    boot = WorkerBoot(wid, parent_pid, child_conn, region_fd=multiprocessing.reduction.DupFd(region.fd))
+    proc = ctx.Process(target=spawn_main, args=(spec, boot), name=f"mploader-worker-{wid}", daemon=True)
+    proc.start()
+    child_conn.close()
+    return WorkerProcess(wid, proc.pid, parent_conn, proc)
+
+
+def stop_workers(workers: list[WorkerProcess], grace_s: float) -> None:
+    """End ``workers``: close their pipes (an idle worker exits on EOF), wait up to
+    ``grace_s`` seconds, SIGKILL the rest, reap all, close their descriptors."""
+    for w in workers:
+        try:
+            w.conn.close()
+        except OSError:
+            pass
+    deadline = time.monotonic() + grace_s
+    alive = [w for w in workers if not w.reap()]
+    while alive:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        for w in exited(alive, left):
+            w.reap()
+        alive = [w for w in alive if w.status is None]
+    for w in alive:
+        try:
+            os.kill(w.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        w.reap(block=True)
+    for w in workers:
+        w.close_fds()
+
+
+class InlineRun:
+    """``num_workers=0``: load each batch in the calling process when asked for.
+
+    With ``reseed_per_batch`` the RNGs are seeded as a worker would seed them and
+    the caller's RNG states are restored after each batch.  An exception consumes
+    only its own batch.
+    """
+
+    def __init__(self, dataset: Any, fetch: Callable, tasks: Iterable[tuple], seed: int,
+                 reseed_per_batch: bool = True) -> None:
+        self._dataset = dataset
+        self._fetch = fetch
+        self._source = iter(tasks)
+        self._seed = seed
+        self._reseed = reseed_per_batch
+
+    def __iter__(self) -> "InlineRun":
+        return self
+
+    def __next__(self) -> Any:
+        epoch, batch_index, indices = next(self._source)[:3]
+        if not self._reseed:
+            return self._fetch(self._dataset, indices, np.empty)
+        torch = sys.modules.get("torch")
+        saved = (random.getstate(), np.random.get_state(),
+                 torch.random.get_rng_state() if torch is not None else None)
+        try:
+            seed_rngs(batch_seed(self._seed, epoch, batch_index))
+            return self._fetch(self._dataset, indices, np.empty)
+        finally:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            if saved[2] is not None:
+                torch.random.set_rng_state(saved[2])
+
+
+class _Future:
+    __slots__ = ("done", "value", "error", "cancelled")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.cancelled = False
+
+
+def _pool_thread(jobs: "queue.SimpleQueue[Any]") -> None:
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        fut, fn, args = job
+        if fut.cancelled:
+            continue
+        try:
+            fut.value = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            fut.error = exc
+        fut.done.set()
+        del fut, fn, args, job
+
+
+class ThreadRun:
+    """``thread_pool=True``: load batches on ``num_workers`` threads; plain arrays.
+
+    The threads are daemon threads, so a sample that never returns cannot keep the
+    process alive after the script ends (``concurrent.futures`` joins its threads
+    at exit).  The process-wide RNGs are not reseeded per batch (the threads share
+    them).  ``close()`` (or exhaustion, or garbage collection) stops the threads.
+    """
+
+    def __init__(self, dataset: Any, fetch: Callable, tasks: Iterable[tuple], num_workers: int, prefetch: int,
+                 timeout_s: float | None) -> None:
+        self._dataset = dataset
+        self._fetch = fetch
+        self._source = iter(tasks)
+        self._prefetch = max(1, prefetch)
+        self._timeout_s = timeout_s or None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: collections.deque = collections.deque()
+        threads = [threading.Thread(target=_pool_thread, args=(self._jobs,), name=f"mploader-thread-{i}",
+                                    daemon=True) for i in range(num_workers)]
+        for t in threads:
+            t.start()
+        self._finalizer = weakref.finalize(self, _stop_pool, self._jobs, self._pending, len(threads))
+
+    def __iter__(self) -> "ThreadRun":
+        return self
+
+    def __next__(self) -> Any:
+        pending = self._pending
+        while len(pending) < self._prefetch:
+            t = next(self._source, None)
+            if t is None:
+                break
+            fut = _Future()
+            self._jobs.put((fut, self._fetch, (self._dataset, t[2], np.empty)))
+            pending.append((t, fut))
+        if not pending:
+            self.close()
+            raise StopIteration
+        t, fut = pending[0]
+        if not fut.done.wait(self._timeout_s):
+            raise TimeoutError(f"batch {t[1]} of epoch {t[0]} (sample indices {t[2]!r}) took more than "
+                               f"{self._timeout_s} s in a pool thread")
+        pending.popleft()
+        if fut.error is not None:
+            raise fut.error
+        return fut.value
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _stop_pool(jobs: "queue.SimpleQueue[Any]", pending: collections.deque, nthreads: int) -> None:
+    for _, fut in pending:
+        fut.cancelled = True
+    pending.clear()
+    for _ in range(nthreads):
+        jobs.put(None)
