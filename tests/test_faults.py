@@ -1,0 +1,425 @@
+"""Faults a days-long training run meets (issue 9).  Each case runs in its own child
+process with a hard time limit, so a hang or a crash is one failed test, not a stuck
+suite; the child's own assertions print "OK" as their last line.  After each case the
+child's process group is checked at the OS level: nothing of it may survive.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+import mploader
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(mploader.__file__)))
+
+PRELUDE = """
+import gc, os, signal, sys, threading, time, warnings
+import numpy as np
+import mploader
+from mploader import _ring
+
+class Arange:
+    def __init__(self, n=64, width=4):
+        self.n, self.width = n, width
+    def __len__(self):
+        return self.n
+    def __getitem__(self, i):
+        return np.full(self.width, i, np.int64)
+
+def firsts(batches):
+    return [int(b[0]) for batch in batches for b in batch]
+
+def slots_free(loader):
+    region = loader._engine.region
+    return [region.state(s) for s in range(region.nslots)] == [_ring.STATE_FREE] * region.nslots
+"""
+
+
+def run_case(body: str, timeout_s: float = 60, expect_rc: int = 0, env_extra: dict | None = None,
+             stdin_text: str | None = None) -> subprocess.CompletedProcess:
+    """Run PRELUDE + ``body`` in a new session; kill its whole group on timeout."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               PYTHONFAULTHANDLER="1", **(env_extra or {}))
+    code = PRELUDE + textwrap.dedent(body)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(stdin_text, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"case hung for {timeout_s} s\nstdout:\n{out}\nstderr:\n{err}")
+    finally:
+        _assert_group_gone(proc.pid)
+    assert proc.returncode == expect_rc, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _assert_group_gone(pgid: int, within_s: float = 2.0) -> None:
+    deadline = time.monotonic() + within_s
+    while True:
+        left = [p.pid for p in psutil.process_iter(["pid"]) if _pgid(p.pid) == pgid]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)  # polling the OS against a deadline, not synchronising
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes {left} of the case outlived it"
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+# 1 ---------------------------------------------------------------------------
+
+
+def test_interrupt_storm_loses_no_batch_and_leaks_no_slot():
+    """KeyboardInterrupts raised every ~1-3 ms while the loop is inside the loader
+    (including the instant a batch is taken): each next() either returns the next
+    batch or raises KeyboardInterrupt; the epoch is complete, in order, none twice;
+    the next epoch is complete; every slot ends FREE.  (Raised only when the signal
+    lands in mploader's own frames, so the test loop itself never loses a batch.)"""
+    out = run_case("""
+        pkg = os.path.dirname(mploader.__file__)
+        hits = [0]
+        def handler(sig, frame):
+            f = frame
+            while f is not None:
+                if os.path.dirname(f.f_code.co_filename) == pkg:
+                    hits[0] += 1
+                    raise KeyboardInterrupt
+                f = f.f_back
+        loader = mploader.DataLoader(Arange(2000), batch_size=2, num_workers=2, seed=0, timeout=None)
+        signal.signal(signal.SIGALRM, handler)
+        for epoch in range(2):
+            got, it = [], iter(loader)
+            signal.setitimer(signal.ITIMER_REAL, 0.001, 0.0013)
+            while True:
+                try:
+                    b = next(it)
+                except KeyboardInterrupt:
+                    continue
+                except StopIteration:
+                    break
+                got.append(int(b[0][0])); got.append(int(b[1][0])); del b
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            assert got == list(range(2000)), [x for x in range(2000) if got.count(x) != 1][:10]
+        del it
+        gc.collect()
+        assert slots_free(loader)
+        assert hits[0] >= 50, hits
+        loader.close()
+        print("OK", hits[0])
+    """, timeout_s=120)
+    assert out.stdout.split()[-2] == "OK"
+
+
+# 2 ---------------------------------------------------------------------------
+
+
+def test_iterator_outlives_the_thread_that_started_it():
+    run_case("""
+        loader = mploader.DataLoader(Arange(400), batch_size=4, num_workers=2, seed=0)
+        holder = {}
+        def start():
+            holder["it"] = iter(loader)
+            holder["first"] = next(holder["it"])
+        t = threading.Thread(target=start); t.start(); t.join()
+        rest = list(holder["it"])
+        assert len(rest) == 99, len(rest)
+        assert firsts([holder["first"]] + rest) == list(range(400))
+        loader.close()
+        print("OK")
+    """)
+
+
+def test_workers_go_with_the_parent_process():
+    """Parent SIGKILLed: its workers are gone within 1 s (the parent watch that
+    replaced PR_SET_PDEATHSIG still fires for the process)."""
+    proc = subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent("""
+        loader = mploader.DataLoader(Arange(400), batch_size=4, num_workers=2, seed=0)
+        it = iter(loader); next(it)
+        print(" ".join(map(str, loader.worker_pids())), flush=True)
+        threading.Event().wait()
+    """)], stdout=subprocess.PIPE, text=True, start_new_session=True,
+        env=dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 2
+        workers = [psutil.Process(p) for p in pids]
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 1.0
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling the OS against a deadline
+        assert not [w.pid for w in workers if _alive(w)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stdout.close()
+        _assert_group_gone(proc.pid)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+# 4 ---------------------------------------------------------------------------
+
+
+def test_time_stopped_does_not_count_against_timeout():
+    """The whole job is stopped (SIGSTOP to its process group, as Ctrl-Z or a paused
+    container) for 2.5 s while the loop waits for a 0.3 s batch with timeout=1: after
+    SIGCONT the epoch completes."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    code = PRELUDE + textwrap.dedent("""
+        class Slow(Arange):
+            def __getitem__(self, i):
+                time.sleep(0.3)
+                return super().__getitem__(i)
+        loader = mploader.DataLoader(Slow(8), batch_size=1, num_workers=1, prefetch=1, timeout=1.0, seed=0)
+        it = iter(loader)
+        print("waiting", flush=True)
+        got = firsts([next(it)] + list(it))
+        assert got == list(range(8)), got
+        loader.close()
+        print("OK", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "waiting"
+        os.killpg(proc.pid, signal.SIGSTOP)
+        time.sleep(2.5)  # the suspension being simulated, not a synchronisation
+        os.killpg(proc.pid, signal.SIGCONT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        _assert_group_gone(proc.pid)
+    assert proc.returncode == 0 and out.split()[-1] == "OK", err
+
+
+# 5 ---------------------------------------------------------------------------
+
+
+def test_thread_pool_with_a_hung_sample_lets_the_process_exit():
+    out = run_case("""
+        class Hang(Arange):
+            def __getitem__(self, i):
+                if i == 3:
+                    threading.Event().wait()
+                return super().__getitem__(i)
+        loader = mploader.DataLoader(Hang(8), batch_size=1, num_workers=2, thread_pool=True, timeout=0.5)
+        try:
+            list(loader)
+        except TimeoutError as e:
+            print("timeout:", e)
+        print("OK")
+    """, timeout_s=30)
+    assert "timeout:" in out.stdout
+
+
+# 6 ---------------------------------------------------------------------------
+
+
+def test_worker_crash_names_the_batch_it_was_loading():
+    """Segfault on sample 17 (batch 4 of 4-sample batches), with earlier batches of
+    the same worker published but not consumed yet: the error names batch 4."""
+    out = run_case("""
+        class Crash(Arange):
+            def __getitem__(self, i):
+                if i == 17:
+                    os.kill(os.getpid(), signal.SIGSEGV)
+                return super().__getitem__(i)
+        loader = mploader.DataLoader(Crash(64), batch_size=4, num_workers=1, prefetch=6, seed=0)
+        it = iter(loader)
+        got = []
+        try:
+            for b in it:
+                got.append(int(b[0][0]))
+        except mploader.WorkerError as e:
+            print("batch", e.batch, "indices", e.indices, "signal", e.signal, "|", e)
+        assert got == [0, 4, 8, 12], got
+        loader.close()
+        print("OK")
+    """)
+    line = out.stdout.splitlines()[0]
+    assert line.startswith("batch 4 indices [16, 17, 18, 19] signal 11"), line
+    assert "SIGSEGV" in line
+
+
+# 7 ---------------------------------------------------------------------------
+
+
+def test_forked_child_exiting_does_not_touch_the_parents_workers():
+    run_case("""
+        loader = mploader.DataLoader(Arange(400), batch_size=4, num_workers=2, seed=0)
+        it = iter(loader)
+        first = next(it)
+        pids = loader.worker_pids()
+        child = os.fork()
+        if child == 0:
+            sys.exit(0)          # runs atexit hooks and finalizers in the child
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        rest = list(it)
+        assert firsts([first] + rest) == list(range(400))
+        assert loader.worker_pids() == pids
+        loader.close()
+        print("OK")
+    """)
+
+
+def test_loader_used_in_a_forked_child_raises_and_parent_is_unaffected():
+    run_case("""
+        loader = mploader.DataLoader(Arange(400), batch_size=4, num_workers=2, seed=0)
+        it = iter(loader)
+        first = next(it)
+        child = os.fork()
+        if child == 0:
+            try:
+                next(it)
+                code = 3
+            except RuntimeError as e:
+                code = 0 if "forked child" in str(e) else 4
+            try:
+                iter(loader)
+                code = 5
+            except RuntimeError:
+                pass
+            sys.exit(code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, os.waitstatus_to_exitcode(status)
+        rest = list(it)
+        assert firsts([first] + rest) == list(range(400))
+        loader.close()
+        print("OK")
+    """)
+
+
+# 8 ---------------------------------------------------------------------------
+
+
+def test_thread_writing_to_stdout_at_fork_does_not_deadlock_workers():
+    """A thread prints in a loop while loaders fork their workers; the dataset itself
+    prints.  A worker that inherited the stream's lock held would hang forever."""
+    run_case("""
+        stop = threading.Event()
+        def chatter():
+            while not stop.is_set():
+                sys.stdout.write("x" * 200 + "\\n")
+                sys.stderr.write("y" * 200 + "\\n")
+        class Loud(Arange):
+            def __getitem__(self, i):
+                print("sample", i)
+                return super().__getitem__(i)
+        t = threading.Thread(target=chatter, daemon=True); t.start()
+        for k in range(15):
+            with mploader.DataLoader(Loud(16), batch_size=4, num_workers=2, seed=k) as loader:
+                assert firsts(list(loader)) == list(range(16))
+        stop.set(); t.join()
+        sys.stdout.write("\\nOK\\n")
+    """, timeout_s=90, env_extra={"PYTHONUNBUFFERED": "0"})
+
+
+# 10 --------------------------------------------------------------------------
+
+
+def test_sys_exit_in_dataset_reports_its_code():
+    out = run_case("""
+        class Exit(Arange):
+            def __getitem__(self, i):
+                if i == 5:
+                    sys.exit(3)
+                return super().__getitem__(i)
+        loader = mploader.DataLoader(Exit(16), batch_size=4, num_workers=1, seed=0)
+        try:
+            list(loader)
+        except mploader.WorkerError as e:
+            print(e.exitcode, e.signal, "|", e)
+        loader.close()
+        print("OK")
+    """)
+    line = out.stdout.splitlines()[0]
+    assert line.startswith("3 None |") and "exited with code 3" in line, line
+
+
+def test_sigchld_ignored_gives_no_invented_exit_code():
+    out = run_case("""
+        signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+        class Kill(Arange):
+            def __getitem__(self, i):
+                if i == 5:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return super().__getitem__(i)
+        loader = mploader.DataLoader(Kill(16), batch_size=4, num_workers=1, seed=0)
+        try:
+            list(loader)
+        except mploader.WorkerError as e:
+            print(e.exitcode, "|", e)
+        loader.close()
+        print("OK")
+    """)
+    line = out.stdout.splitlines()[0]
+    assert line.startswith("None |") and "unknown" in line and "code 0" not in line, line
+
+
+# 11 --------------------------------------------------------------------------
+
+
+def test_peeking_at_the_first_batch_then_training_does_not_fall_back():
+    run_case("""
+        warnings.simplefilter("error")
+        class Slowish(Arange):
+            def __getitem__(self, i):
+                time.sleep(0.002)
+                return super().__getitem__(i)
+        loader = mploader.DataLoader(Slowish(256), batch_size=4, num_workers=2, seed=0)
+        first = next(iter(loader))             # peek at shapes, keep the batch
+        for epoch in range(2):
+            got = [int(b[i][0]) for b in loader for i in range(len(b))]   # batches dropped as we go
+            assert got == list(range(256))
+        s = loader.stats()
+        assert s["no_free_slot"] == 0 and s["fallback_pipe"] == 0, s
+        del first
+        loader.close()
+        print("OK")
+    """)
+
+
+# 12 --------------------------------------------------------------------------
+
+
+def test_script_ending_mid_epoch_prints_only_the_users_traceback():
+    """Batches travel by pipe (the user holds every slot) when the script dies with
+    its own exception: stderr has one traceback, the exit status is the script's."""
+    out = run_case("""
+        warnings.simplefilter("ignore")
+        loader = mploader.DataLoader(Arange(4000, width=2048), batch_size=8, num_workers=2, seed=0)
+        held = []
+        for k, b in enumerate(loader):
+            held.append(b)
+            if k == 40:
+                assert loader.stats()["fallback_pipe"] > 0
+                raise ValueError("the user's own error")
+    """, expect_rc=1)
+    assert out.stderr.count("Traceback (most recent call last)") == 1, out.stderr
+    assert "ValueError: the user's own error" in out.stderr
+    assert "BrokenPipeError" not in out.stderr
