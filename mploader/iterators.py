@@ -33,6 +33,7 @@ from ._options import MAX_SLOT_BYTES, LoaderOptions, check_callable, check_datas
 
 __all__ = ["MultiprocessIterator", "OrderSampler", "ShuffleOrderSampler"]
 
+
 def _caller_stacklevel() -> int:
     """``stacklevel`` that attributes a warning issued by ``_warn_stalled`` to the first
     frame outside the mploader package (the caller of ``next()``)."""
