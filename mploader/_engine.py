@@ -141,10 +141,9 @@ class Engine:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         self.num_slots = num_slots or prefetch + 3
-        max_slots = getattr(_ring, "MAX_SLOTS", 4096)
-        if self.num_slots > max_slots:
-            raise ValueError(f"prefetch must be at most {max_slots - 3} (the ring has at most {max_slots} "
-                             f"slots), got {prefetch}")
+        if self.num_slots > _ring.MAX_SLOTS:
+            raise ValueError(f"prefetch must be at most {_ring.MAX_SLOTS - 3} (the ring has at most "
+                             f"{_ring.MAX_SLOTS} slots), got {prefetch}")
         self.dataset = dataset
         self.fetch = fetch
         self.num_workers = num_workers
@@ -236,9 +235,7 @@ class Engine:
         """Create the region if needed and start the missing workers (ids 0..N-1)."""
         res = self._res
         if res.region is None:
-            create = getattr(_ring, "create_region", None)
-            slot_bytes = self.shared_mem or 0
-            res.region = create(self.num_slots, slot_bytes) if create else _ring.Region(self.num_slots, slot_bytes)
+            res.region = _ring.create_region(self.num_slots, self.shared_mem or 0)
             self._scheduler.file_bytes = res.region.file_bytes
         self._scheduler.replace_dead()
         have = {w.wid for w in res.workers if not w.retiring}
@@ -270,8 +267,8 @@ class Engine:
             self._current = weakref.ref(run)  # weak: a run keeps its engine alive, not the reverse
             return run
 
-    def _next_batch(self, run: Run) -> Any:
+    def _next_batch(self, run: Run) -> None:
         with self._lock:
             self._check_usable()
-            return self._scheduler.next_batch(run)
+            self._scheduler.next_batch(run)
 

@@ -41,7 +41,7 @@ class WorkerProcess:
     """
 
     __slots__ = ("wid", "pid", "pidfd", "conn", "process", "status", "outstanding", "mailbox", "sent",
-                 "retiring")
+                 "retiring", "replaced")
 
     def __init__(self, wid: int, pid: int, conn: Any, process: Any = None) -> None:
         self.wid = wid
@@ -54,6 +54,7 @@ class WorkerProcess:
         self.mailbox: dict[int, bytes] = {}
         self.sent = 0
         self.retiring = False
+        self.replaced = False           # a successor was started for this retiring worker
 
     @property
     def alive(self) -> bool:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["Task", "TASK", "PIPE_HEADER", "encode_task", "encode_retire", "TaskReader",
-           "INDICES_INT64", "INDICES_PICKLE", "RETIRE"]
+           "INDICES_INT64", "INDICES_PICKLE", "RETIRE", "frame_task"]
 
 TASK = struct.Struct("<qqqqII")
 PIPE_HEADER = struct.Struct("<qI")
@@ -63,6 +63,12 @@ def encode_task(seq: int, slot: int, epoch: int, batch_index: int, indices: Any)
             pass  # an index beyond int64: pickle it
     blob = pickle.dumps(indices, protocol=5)
     return TASK.pack(seq, slot, epoch, batch_index, INDICES_PICKLE, len(blob)) + blob
+
+
+def frame_task(seq: int, slot: int, epoch: int, batch_index: int, indices: Any) -> bytes:
+    """:func:`encode_task` with its frame header (for one ``os.write``)."""
+    msg = encode_task(seq, slot, epoch, batch_index, indices)
+    return _FRAME.pack(len(msg)) + msg
 
 
 def encode_retire() -> bytes:

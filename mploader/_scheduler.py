@@ -13,8 +13,11 @@ waiting ``next()`` notices ``closing`` within one wait slice, POLL_S).
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import pickle
+import signal
+import threading
 import time
 import warnings
 import weakref
@@ -37,8 +40,11 @@ POLL_S = 0.05
 ANY_POLL_S = 0.002
 
 
+_EMPTY = object()
+
+
 class _Task:
-    __slots__ = ("seq", "slot", "worker", "epoch", "batch_index", "indices", "generation", "lease", "stale",
+    __slots__ = ("seq", "slot", "worker", "epoch", "batch_index", "indices", "generation", "box", "stale", "consumed",
                  "pinned", "via_pipe", "source")
 
     def __init__(self, seq: int, slot: int, worker: WorkerProcess, epoch: int, batch_index: int, indices: Any,
@@ -50,8 +56,9 @@ class _Task:
         self.batch_index = batch_index
         self.indices = indices
         self.generation = generation
-        self.lease: Any = None      # the SlotLease once E3 was taken (kept across interruptions)
+        self.box: list = []         # [SlotLease] once E3 was taken (kept across interruptions)
         self.stale = False
+        self.consumed = False       # its batch was handed off, or its exception raised
         self.via_pipe = slot < 0    # the batch comes (or came) through the worker's pipe
         self.source = source        # the task tuple, to dispatch again if sending failed
 
@@ -59,25 +66,16 @@ class _Task:
         """Whether the worker finished this batch (nothing more is owed by it)."""
         if self.via_pipe:
             return self.seq in self.worker.mailbox
-        return self.lease is not None or region.state(self.slot) == _ring.STATE_READY
+        return bool(self.box) or region.state(self.slot) == _ring.STATE_READY
 
 
-def _wait_lease(region: Any, slot: int, timeout_s: float) -> Any:
-    """E3 and the slot's lease in one step (None on timeout)."""
-    got = region.wait(slot, timeout_s)
-    if got is True:  # TEMPORARY: the pre-redesign ring (wait -> bool, then lease(), meta())
-        return _CompatLease(region.lease(slot), region.meta(slot))
-    return got or None
-
-
-class _CompatLease:
-    def __init__(self, raw: Any, meta: tuple) -> None:
-        self.raw = raw
-        self.seq, self.kind, self.flags, self.used, self.desc_off, self.desc_len = meta[:6]
-
-
-def _raw(lease: Any) -> Any:
-    return getattr(lease, "raw", lease)
+def _take(region: Any, task: _Task, timeout_s: float) -> bool:
+    """Wait for ``task``'s slot and take E3; the lease lands in ``task.box`` inside the
+    C call, so an interrupt raised right after it cannot drop it (the task keeps it
+    and a later ``next()`` consumes it)."""
+    if not task.box:
+        region.wait(task.slot, timeout_s, task.box)
+    return bool(task.box)
 
 
 class Scheduler:
@@ -99,83 +97,95 @@ class Scheduler:
 
     # ---- the batch loop ----
 
-    def next_batch(self, run: "Run") -> Any:
+    def next_batch(self, run: "Run") -> None:
+        """Put the run's next batch in ``run.handoff`` (see :class:`Run`), or raise."""
+        inflight = run.inflight
+        while inflight and inflight[0].consumed:  # an interrupt hit after its batch was handed off
+            inflight.popleft()
+        if run.handoff is not _EMPTY:
+            return
         self._reap_stale()
         self._reap_retired()
-        inflight = run.inflight
         try:
             self._fill(run)
             if not inflight:
                 raise StopIteration
             task = inflight[0] if run.in_order else self._first_ready(run)
             self._await(task)
-            batch = self._consume(task)   # raises the worker's exception (batch consumed)
+            self._consume(task, run)   # raises the worker's exception (batch consumed)
         except (WorkerError, TimeoutError):
             run.inflight.clear()
             run.done = True
             self._fail()
             raise
-        except BaseException as exc:
-            if getattr(exc, "_mploader_consumed", False):
-                inflight.remove(task)
-            raise
-        inflight.remove(task) if not run.in_order else inflight.popleft()
-        return batch
+        finally:
+            if inflight and (inflight[0].consumed or not run.in_order):
+                for t in [t for t in inflight if t.consumed]:
+                    inflight.remove(t)
 
     def _fill(self, run: "Run") -> None:
-        engine = self.engine
-        while not run.exhausted and len(run.inflight) < engine.prefetch:
-            source = run.pushback.popleft() if run.pushback else next(run.source, None)
-            if source is None:
-                run.exhausted = True
-                return
-            self._dispatch(run, source)
+        """Dispatch tasks until ``prefetch`` are in flight or the source is exhausted.
 
-    def _dispatch(self, run: "Run", source: tuple) -> None:
-        """Send one task to a worker: a FREE slot (E1) if there is one, else the pipe."""
-        epoch, batch_index, indices = source[0], source[1], source[2]
-        worker = self._pick_worker(source[3] if len(source) > 3 else None)
-        slot = self._free_slot()
+        Each step is split so that an interrupt (a signal handler that raises) loses
+        nothing: the source item is pulled with signals deferred (an interrupt
+        inside a generator would finish it) by a C-level ``extend`` (an item taken
+        from the iterator is always recorded), the waits that can block (a worker
+        to start, a slot held by an abandoned batch) happen with signals deliverable,
+        and the dispatch itself -- E1, the task record, the message -- runs with
+        signals deferred (docs/design.md, "Faults")."""
+        engine = self.engine
+        pushback = run.pushback
+        while not run.exhausted and len(run.inflight) < engine.prefetch:
+            if not pushback:
+                # Signals deferred: an interrupt inside the sampler's generator would
+                # end it (a generator that raises is finished) and silently cut the epoch.
+                old = _defer_signals()
+                try:
+                    pushback.extend(itertools.islice(run.source, 1))
+                finally:
+                    _restore_signals(old)
+                if not pushback:
+                    run.exhausted = True
+                    return
+            source = pushback[0]
+            worker = self._pick_worker(source[3] if len(source) > 3 else None)
+            slot = self._free_slot()
+            old = _defer_signals()
+            try:
+                self._dispatch(run, source, worker, slot)
+            finally:
+                _restore_signals(old)
+            if worker.retiring and not worker.replaced:
+                worker.replaced = True
+                self.res.workers.append(engine._start_worker(worker.wid))
+
+    def _dispatch(self, run: "Run", source: tuple, worker: WorkerProcess, slot: int) -> None:
+        """Send ``source`` (the head of ``run.pushback``) to ``worker``, in ``slot`` (E1)
+        or through the pipe (slot -1).  Runs with signals deferred."""
         seq = self.seq
-        self.seq += 1
         region = self.res.region
         if slot >= 0:
             region.assign(slot, seq)
             self.slot_hint = (slot + 1) % region.nslots
-        task = _Task(seq, slot, worker, epoch, batch_index, indices, self.generation, source)
-        msg = encode_task(seq, slot, epoch, batch_index, indices)
+        self.seq = seq + 1
+        task = _Task(seq, slot, worker, source[0], source[1], source[2], self.generation, source)
+        try:
+            worker.conn.send_bytes(encode_task(seq, slot, source[0], source[1], source[2]))
+        except OSError:
+            if slot >= 0:
+                region.reclaim(slot)
+            self._raise_dead(worker)
         run.inflight.append(task)
         worker.outstanding.append(task)
-        sent = False
-        try:
-            worker.conn.send_bytes(msg)
-            sent = True
-        except OSError:
-            self._undo_dispatch(run, task, source, requeue=False)
-            self._raise_dead(worker)
-        except BaseException:
-            if not sent:  # interrupted before the message left: dispatch it again later
-                self._undo_dispatch(run, task, source, requeue=True)
-            raise
+        run.pushback.popleft()
         worker.sent += 1
-        engine = self.engine
-        if engine.maxtasksperchild and worker.sent >= engine.maxtasksperchild and not worker.retiring:
+        limit = self.engine.maxtasksperchild
+        if limit and worker.sent >= limit and not worker.retiring:
             worker.retiring = True
             try:
                 worker.conn.send_bytes(encode_retire())
             except OSError:
                 pass
-            self.res.workers.append(engine._start_worker(worker.wid))
-
-    def _undo_dispatch(self, run: "Run", task: _Task, source: tuple, requeue: bool) -> None:
-        if task in run.inflight:
-            run.inflight.remove(task)
-        if task in task.worker.outstanding:
-            task.worker.outstanding.remove(task)
-        if task.slot >= 0 and self.res.region.state(task.slot) == _ring.STATE_ASSIGNED:
-            self.res.region.reclaim(task.slot)
-        if requeue:
-            run.pushback.appendleft(source)
 
     def _pick_worker(self, pinned: int | None) -> WorkerProcess:
         """The live, non-retiring worker with the fewest batches owed (or ``pinned``)."""
@@ -221,20 +231,19 @@ class Scheduler:
         clock = _WaitClock()
         while True:
             for t in run.inflight:
-                if t.lease is not None or t.seq in t.worker.mailbox:
+                if t.box or t.seq in t.worker.mailbox:
                     return t
                 if t.via_pipe:
                     self._pump(t.worker, 0)
                     if t.seq in t.worker.mailbox:
                         return t
                 else:
-                    t.lease = _wait_lease(region, t.slot, 0)
-                    if t.lease is not None:
+                    if _take(region, t, 0):
                         return t
             if oldest.via_pipe:
                 self._pump(oldest.worker, ANY_POLL_S)
             else:
-                oldest.lease = _wait_lease(region, oldest.slot, ANY_POLL_S)
+                _take(region, oldest, ANY_POLL_S)
             self._check_wait(oldest, clock, ANY_POLL_S)
 
     def _await(self, task: _Task) -> None:
@@ -248,17 +257,13 @@ class Scheduler:
                 if task.seq in task.worker.mailbox or (self._pump(task.worker, POLL_S)
                                                        and task.seq in task.worker.mailbox):
                     return
-            elif task.lease is not None:
-                return
-            else:
-                task.lease = _wait_lease(region, task.slot, POLL_S)
-                if task.lease is not None:
-                    if task.lease.kind != _ring.KIND_PIPE:
-                        return
-                    # The batch did not fit the region: it follows on the pipe.
-                    task.lease = None
-                    task.via_pipe = True
-                    continue
+            elif _take(region, task, POLL_S):
+                if task.box[0].kind != _ring.KIND_PIPE:
+                    return
+                # The batch did not fit the region: it follows on the pipe.
+                task.box.clear()
+                task.via_pipe = True
+                continue
             self._check_wait(task, clock, POLL_S)
 
     def _check_wait(self, task: _Task, clock: "_WaitClock", slice_s: float) -> None:
@@ -277,41 +282,56 @@ class Scheduler:
             clock.warned = True
             engine.on_slow(task.seq, waited_s)
 
-    def _consume(self, task: _Task) -> Any:
-        """Turn a task whose batch is there into the batch, or raise its worker's
-        exception (marked consumed)."""
+    def _consume(self, task: _Task, run: "Run") -> None:
+        """Turn a task whose batch is there into ``run.handoff``, or raise its worker's
+        exception; either way the task is marked consumed.  The batch reaches
+        ``run.handoff`` before the lease leaves ``task.box`` and with no C call in
+        between, so an interrupt at any point loses nothing (docs/design.md, "Faults")."""
         self._finish_task(task)
-        self.stats["batches"] += 1
         if task.via_pipe:
-            return self._from_pipe(task)
-        lease = task.lease
+            old = _defer_signals()
+            try:
+                run.handoff = self._from_pipe(task)
+                task.consumed = True
+            finally:
+                _restore_signals(old)
+            self.stats["batches"] += 1
+            return
+        lease = task.box[0]
         if lease.seq != task.seq:
-            task.lease = None
-            raise _consumed(RuntimeError(f"slot {task.slot} holds batch {lease.seq}, expected batch {task.seq}: "
+            task.consumed = True
+            task.box.clear()
+            raise (RuntimeError(f"slot {task.slot} holds batch {lease.seq}, expected batch {task.seq}: "
                                          "the slot header was overwritten"))
         if lease.flags & _ring.FLAG_GROWN:
             self.stats["grown"] += 1
             self._note_growth()
+        old = _defer_signals()
         try:
             if lease.kind == _ring.KIND_ERROR:
-                failure = decode(_raw(lease), lease.desc_off, lease.desc_len, copy=True)
+                failure = decode(lease, lease.desc_off, lease.desc_len, copy=True)
                 self.stats["errors"] += 1
                 raise _failure_exception(failure)
-            batch = decode(_raw(lease), lease.desc_off, lease.desc_len, self.engine.copy)
+            run.handoff = decode(lease, lease.desc_off, lease.desc_len, self.engine.copy)
+            task.consumed = True
+            task.box.clear()
         except Exception as exc:  # a worker's exception, or a corrupt descriptor: the batch is used up
-            task.lease = None
-            raise _consumed(exc) from exc.__cause__
+            task.consumed = True
+            task.box.clear()
+            raise exc from exc.__cause__
+        finally:
+            _restore_signals(old)
+        self.stats["batches"] += 1
         self.stats["fallback_inband" if lease.flags & _ring.FLAG_INBAND else "slot"] += 1
-        task.lease = None
-        return batch
 
     def _from_pipe(self, task: _Task) -> Any:
         msg = task.worker.mailbox.pop(task.seq)
         kind = PIPE_HEADER.unpack_from(msg)[1]
         obj = pickle.loads(memoryview(msg)[PIPE_HEADER.size:])
         if kind == _ring.KIND_ERROR:
+            task.consumed = True
             self.stats["errors"] += 1
-            raise _consumed(_failure_exception(obj))
+            raise _failure_exception(obj)
         self.stats["fallback_pipe"] += 1
         return obj
 
@@ -352,13 +372,17 @@ class Scheduler:
         """Raise WorkerError if a worker died owing a batch (the first one it had not
         finished is named).  A worker that died owing nothing is replaced at the
         next dispatch; a retiring worker that exited after its last batch is normal."""
-        workers = [w for w in self.res.workers if w.status is None]
-        for w in exited(workers, 0):
+        alive = [w for w in self.res.workers if w.status is None]
+        for w in exited(alive, 0):
             w.reap(block=True)
-            self._pump(w, 0)  # what it sent before dying counts as delivered
-            owed = self._owed(w)
-            if owed is not None:
-                self._raise_dead(w, owed)
+        # Every dead worker is looked at, not only those that died since the last
+        # check: an interrupt may have ended the previous check after the reap.
+        for w in self.res.workers:
+            if w.status is not None:
+                self._pump(w, 0)  # what it sent before dying counts as delivered
+                owed = self._owed(w)
+                if owed is not None:
+                    self._raise_dead(w, owed)
 
     def _owed(self, w: WorkerProcess) -> _Task | None:
         region = self.res.region
@@ -400,7 +424,7 @@ class Scheduler:
                 keep.append(w)
                 continue
             for t in w.outstanding:
-                if t.slot >= 0 and t.lease is None and region.state(t.slot) in (_ring.STATE_ASSIGNED,
+                if t.slot >= 0 and not t.box and region.state(t.slot) in (_ring.STATE_ASSIGNED,
                                                                                _ring.STATE_READY):
                     region.reclaim(t.slot)
             dead = set(map(id, w.outstanding))
@@ -414,9 +438,9 @@ class Scheduler:
         for t in inflight:
             if t.generation == self.generation:  # older ones died with their workers
                 t.stale = True
-                if t.lease is not None:   # received but never consumed
+                if t.box:   # received but never consumed
                     self._finish_task(t)
-                    t.lease = None
+                    t.box.clear()
                     continue
                 self.stale.append(t)
         inflight.clear()
@@ -430,14 +454,12 @@ class Scheduler:
         for t in self.stale:
             w = t.worker
             if not t.via_pipe:
-                lease = t.lease if t.lease is not None else _wait_lease(region, t.slot, 0)
-                if lease is None:
+                if not _take(region, t, 0):
                     keep.append(t)
                     continue
-                if lease.kind == _ring.KIND_PIPE:
+                if t.box[0].kind == _ring.KIND_PIPE:
                     self.stale_pipe.add(t.seq)
-                t.lease = None
-                del lease  # E4: the slot is FREE again
+                t.box.clear()  # E4: the slot is FREE again
             else:
                 self.stale_pipe.add(t.seq)
             self._finish_task(t)
@@ -482,9 +504,29 @@ class _WaitClock:
         return self.waited
 
 
-def _consumed(exc: BaseException) -> BaseException:
-    exc._mploader_consumed = True  # type: ignore[union-attr]
-    return exc
+#: Signals whose Python handlers are held back during a dispatch or a handoff (not
+#: the synchronous fault signals, which cannot wait).
+_DEFERRABLE = frozenset(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGBUS,
+                                                    signal.SIGFPE, signal.SIGILL, signal.SIGTRAP, signal.SIGABRT}
+
+
+def _defer_signals() -> Any:
+    """Block signal delivery to this thread (only the main thread runs Python signal
+    handlers, so other threads need nothing); returns the mask to restore.  A
+    handler already triggered runs at the first check after this call -- before
+    anything of the critical section happened -- and one triggered later runs
+    after :func:`_restore_signals`, once it is complete."""
+    if threading.current_thread() is not _MAIN:
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, _DEFERRABLE)
+
+
+def _restore_signals(old: Any) -> None:
+    if old is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+_MAIN = threading.main_thread()
 
 
 def _failure_exception(failure: Any) -> BaseException:
@@ -520,6 +562,7 @@ class Run:
         self.pushback: collections.deque = collections.deque()
         self.inflight: collections.deque[_Task] = collections.deque()
         self.in_order = in_order
+        self.handoff: Any = _EMPTY  # the next batch, between the scheduler and __next__
         self.exhausted = False
         self.done = False
         self.superseded = False
@@ -536,10 +579,15 @@ class Run:
         if self.done:
             raise StopIteration
         try:
-            return self._engine._next_batch(self)
+            self._engine._next_batch(self)
         except StopIteration:
             self.done = True
             raise
+        # Taken with no C call between the read and the return: an interrupt cannot
+        # land after the batch left the run and before the caller has it.
+        batch = self.handoff
+        self.handoff = _EMPTY
+        return batch
 
     def abandon(self) -> None:
         self.superseded = True

@@ -113,7 +113,7 @@ def _run(spec: WorkerSpec, boot: WorkerBoot) -> None:
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        _watch_parent(boot.parent_pid)
+        _ring.watch_parent(boot.parent_pid)  # not PR_SET_PDEATHSIG: it fires when the forking *thread* ends
         if boot.drop is not None:
             boot.drop()
         if boot.region is not None:
@@ -140,14 +140,6 @@ def _run(spec: WorkerSpec, boot: WorkerBoot) -> None:
             except BaseException:  # noqa: BLE001
                 pass
         os._exit(code)
-
-
-def _watch_parent(parent_pid: int) -> None:
-    watch = getattr(_ring, "watch_parent", None)
-    if watch is not None:
-        watch(parent_pid)
-    else:  # pragma: no cover - older C core
-        _ring.set_pdeathsig(signal.SIGKILL, parent_pid)
 
 
 def _init(spec: WorkerSpec, worker_id: int) -> BatchFailure | None:

@@ -257,7 +257,7 @@ class _LoaderIter:
         return self
 
     def __next__(self) -> Any:
-        batch = next(self._gen)
+        batch = self._gen.__next__()  # not next(): no interrupt check after a Python-level call
         if self._polled is not None:
             engine = self._engine
             region = engine.region if hasattr(engine, "region") else engine._res.region

@@ -16,7 +16,6 @@ import psutil
 import pytest
 
 import mploader
-import mploader._ring
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(mploader.__file__)))
 
@@ -85,8 +84,6 @@ def _pgid(pid: int) -> int | None:
 # 1 ---------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(not hasattr(mploader._ring, "create_region"), strict=True,
-                   reason="needs Region.wait() taking E3 and the lease in one step (branch ring)")
 def test_interrupt_storm_loses_no_batch_and_leaks_no_slot():
     """KeyboardInterrupts raised every ~1-3 ms while the loop is inside the loader
     (including the instant a batch is taken): each next() either returns the next
@@ -131,8 +128,6 @@ def test_interrupt_storm_loses_no_batch_and_leaks_no_slot():
 # 2 ---------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(not hasattr(mploader._ring, "watch_parent"), strict=True,
-                   reason="needs the parent watch that replaces PR_SET_PDEATHSIG (branch ring)")
 def test_iterator_outlives_the_thread_that_started_it():
     run_case("""
         loader = mploader.DataLoader(Arange(400), batch_size=4, num_workers=2, seed=0)
