@@ -369,20 +369,23 @@ class Scheduler:
         return got
 
     def _check_health(self, task: _Task) -> None:
-        """Raise WorkerError if a worker died owing a batch (the first one it had not
-        finished is named).  A worker that died owing nothing is replaced at the
-        next dispatch; a retiring worker that exited after its last batch is normal."""
+        """While ``task`` is not there: raise WorkerError if a worker died owing a
+        batch, naming the first batch it had not finished (the one it was loading).
+        Batches a dead worker published before dying are delivered first; a worker
+        that died owing nothing is replaced at the next dispatch."""
         alive = [w for w in self.res.workers if w.status is None]
         for w in exited(alive, 0):
             w.reap(block=True)
-        # Every dead worker is looked at, not only those that died since the last
-        # check: an interrupt may have ended the previous check after the reap.
+        # Every dead worker is looked at, not only one that just died: an interrupt
+        # may have ended the previous check right after the reap.
+        region = self.res.region
         for w in self.res.workers:
-            if w.status is not None:
-                self._pump(w, 0)  # what it sent before dying counts as delivered
-                owed = self._owed(w)
-                if owed is not None:
-                    self._raise_dead(w, owed)
+            if w.status is None:
+                continue
+            self._pump(w, 0)  # what it sent before dying counts as delivered
+            owed = self._owed(w)
+            if owed is not None and not task.published(region):
+                self._raise_dead(w, owed)
 
     def _owed(self, w: WorkerProcess) -> _Task | None:
         region = self.res.region
