@@ -37,3 +37,24 @@ def assert_same(a, b):
             assert_same(a[k], b[k])
     else:
         assert a == b
+
+
+#: NumPy dtypes MXNet's NDArray could hold (``_DTYPE_NP_TO_MX`` in apache/mxnet
+#: python/mxnet/ndarray/ndarray.py, 1.x); ``nd.array`` raises for any other.
+MX_DTYPES = {np.float32, np.float64, np.float16, np.uint8, np.int32, np.int8, np.int64}
+
+
+def mxnet_default_batchify_fn(data):
+    """MXNet's rule, re-stated with NumPy from apache/mxnet
+    python/mxnet/gluon/data/dataloader.py, ``default_batchify_fn`` (and
+    ``default_mp_batchify_fn``, which differs only in the memory it allocates):
+    NDArray samples are stacked (there are none here); if ``data[0]`` is a tuple the
+    samples are zipped and each field batched, giving a list; anything else is
+    ``nd.array(np.asarray(data), dtype=...)``, which raises for dtypes NDArray lacks."""
+    if isinstance(data[0], tuple):
+        data = zip(*data)
+        return [mxnet_default_batchify_fn(i) for i in data]
+    data = np.asarray(data)
+    if data.dtype.type not in MX_DTYPES:
+        raise KeyError(f"nd.array cannot hold {data.dtype}")
+    return np.array(data, dtype=data.dtype)

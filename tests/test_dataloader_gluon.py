@@ -16,7 +16,7 @@ import warnings
 
 import numpy as np
 import pytest
-from _util import arrays_in, assert_same, lease_of
+from _util import arrays_in, assert_same, lease_of, mxnet_default_batchify_fn
 
 import mploader
 from mploader import _pinning
@@ -240,27 +240,6 @@ def test_batches_are_views_of_one_slot():
 
 
 # ---------------------------------------------------------------- Gluon's default batchify
-
-
-#: NumPy dtypes MXNet's NDArray could hold (``_DTYPE_NP_TO_MX`` in apache/mxnet
-#: python/mxnet/ndarray/ndarray.py, 1.x); ``nd.array`` raises for any other.
-MX_DTYPES = {np.float32, np.float64, np.float16, np.uint8, np.int32, np.int8, np.int64}
-
-
-def mxnet_default_batchify_fn(data):
-    """MXNet's rule, re-stated with NumPy from apache/mxnet
-    python/mxnet/gluon/data/dataloader.py, ``default_batchify_fn`` (and
-    ``default_mp_batchify_fn``, which differs only in the memory it allocates):
-    NDArray samples are stacked (there are none here); if ``data[0]`` is a tuple the
-    samples are zipped and each field batched, giving a list; anything else is
-    ``nd.array(np.asarray(data), dtype=...)``, which raises for dtypes NDArray lacks."""
-    if isinstance(data[0], tuple):
-        data = zip(*data)
-        return [mxnet_default_batchify_fn(i) for i in data]
-    data = np.asarray(data)
-    if data.dtype.type not in MX_DTYPES:
-        raise KeyError(f"nd.array cannot hold {data.dtype}")
-    return np.array(data, dtype=data.dtype)
 
 
 Point = collections.namedtuple("Point", ["xy", "weight"])

@@ -11,7 +11,7 @@ import warnings
 
 import numpy as np
 import pytest
-from _util import arrays_in, assert_same, lease_of
+from _util import arrays_in, assert_same, lease_of, mxnet_default_batchify_fn
 
 import mploader
 from mploader import batchify as bf
@@ -110,10 +110,33 @@ def test_sharded_batches_match_reference(mode, name, as_tuple):
                     assert isinstance(lease_of(next(arrays_in(batch))), SlotLease)
                 got.append(owned(batch))
                 del batch
+            # default: the ragged tokens are where Gluon's rule raises and ours passes the
+            # list through (pinned against MXNet's rule in test_dataloader_gluon.py)
             want = reference(sampler, dataset, fn or mploader.default_batchify)
             assert len(got) == len(want) == 5
             for g, w in zip(got, want):
                 assert_same(g, w)
+
+
+class FixedSentences(Sentences):
+    """Sample i: (int32 token ids of length 4, int label, [label, i]): batchable by Gluon's rule."""
+
+    def __getitem__(self, i):
+        return np.arange(4, dtype=np.int32) * 100 + i, i % 3, [i % 3, i]
+
+
+def test_sharded_default_batchify_is_gluons(mode):
+    """GluonNLP's ShardedDataLoader defaults to MXNet's default_batchify_fn; the
+    reference is MXNet's rule re-stated from its source (tests/_util.py)."""
+    dataset = FixedSentences()
+    sampler = ShardedBuckets(len(dataset))
+    with mploader.ShardedDataLoader(dataset, batch_sampler=sampler, **mode) as loader:
+        got = [owned(b) for b in loader]
+    want = reference(sampler, dataset, mxnet_default_batchify_fn)
+    assert len(got) == len(want) == 5
+    for g, w in zip(got, want):
+        assert_same(g, w)
+    assert type(got[0][0][2]) is np.ndarray and got[0][0][2].shape == (3, 2), "lists become one array"
 
 
 def test_plain_batches_behave_as_dataloader(mode):
