@@ -15,4 +15,13 @@ ext = Extension(
     extra_link_args=["-pthread"],
 )
 
-setup(ext_modules=cythonize([ext], language_level=3, compiler_directives={"boundscheck": False, "wraparound": False}))
+# The opcode scan that bounds in-band pickles before they are unpickled
+# (mploader/_inband.py); plain Cython, no C core, the same warnings policy.
+scan = Extension(
+    "mploader._pickle_scan",
+    sources=["mploader/_pickle_scan.pyx"],
+    extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror"],
+)
+
+setup(ext_modules=cythonize([ext, scan], language_level=3,
+                           compiler_directives={"boundscheck": False, "wraparound": False}))
