@@ -32,7 +32,7 @@ bench: install-bench
 # tsan   : ThreadSanitizer build; the contract phase and the stress phase with workers as
 #          threads (TSan sees threads, not processes; the protocol is the same)
 CC := gcc
-C_TEST_SRC := tests/c/test_ring.c csrc/ring.c
+C_TEST_SRC := tests/c/test_ring.c csrc/ring.c csrc/region.c csrc/proc.c
 C_TEST_CFLAGS := -std=c11 -Wall -Wextra -Werror -g -O1 -fno-omit-frame-pointer -Icsrc -pthread
 ASAN_ENV := ASAN_OPTIONS=halt_on_error=1:abort_on_error=1:detect_leaks=1 \
 	UBSAN_OPTIONS=halt_on_error=1:abort_on_error=1:print_stacktrace=1
@@ -40,10 +40,10 @@ ASAN_ENV := ASAN_OPTIONS=halt_on_error=1:abort_on_error=1:detect_leaks=1 \
 # child (watch_parent); TSan refuses that by default although it is what workers do
 TSAN_ENV := TSAN_OPTIONS=halt_on_error=1:die_after_fork=0
 
-tests/c/test_ring: $(C_TEST_SRC) csrc/ring.h
+tests/c/test_ring: $(C_TEST_SRC) csrc/ring.h csrc/ring_impl.h
 	$(CC) $(C_TEST_CFLAGS) -fsanitize=address,undefined $(C_TEST_SRC) -o $@
 
-tests/c/test_ring_tsan: $(C_TEST_SRC) csrc/ring.h
+tests/c/test_ring_tsan: $(C_TEST_SRC) csrc/ring.h csrc/ring_impl.h
 	$(CC) $(C_TEST_CFLAGS) -fsanitize=thread $(C_TEST_SRC) -o $@
 
 ctest: tests/c/test_ring

@@ -4,7 +4,7 @@ from setuptools import Extension, setup
 
 ext = Extension(
     "mploader._ring",
-    sources=["mploader/_ring.pyx", "csrc/ring.c"],
+    sources=["mploader/_ring.pyx", "csrc/ring.c", "csrc/region.c", "csrc/proc.c"],
     include_dirs=["csrc"],
     # -Wall -Wextra -Werror for csrc/ring.c and for the Cython-generated mploader/_ring.c
     # alike: the generated code compiles without a warning with Cython 3.3 and gcc 12, so

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = [ROOT / "tests" / "c" / "test_ring.c", ROOT / "csrc" / "ring.c"]
+SOURCES = [ROOT / "tests" / "c" / "test_ring.c", *(ROOT / "csrc" / f for f in ("ring.c", "region.c", "proc.c"))]
 CFLAGS = [
     "-std=c11",
     "-Wall",

@@ -1,0 +1,66 @@
+/*
+ * Internal to csrc/: the shared layout (control block, slot headers) and helpers
+ * used by region.c (create/attach/populate, the file's bump allocator) and ring.c
+ * (the slot protocol).  Not part of the API (ring.h); no Python.h.
+ */
+#ifndef MPLOADER_RING_IMPL_H
+#define MPLOADER_RING_IMPL_H
+
+#include "ring.h"
+
+#include <stdatomic.h>
+#include <stdint.h>
+
+#define MPL_CACHE_LINE 64
+#define MPL_PAGE 4096ull
+
+/* One slot header: the state word alone on the first cache line (the only word
+ * both sides touch concurrently), the metadata on the second. */
+typedef struct mpl_slot_hdr {
+    _Alignas(MPL_CACHE_LINE) _Atomic uint32_t state;
+    char pad_[MPL_CACHE_LINE - sizeof(uint32_t)];
+    _Alignas(MPL_CACHE_LINE) mpl_slot_meta meta;
+} mpl_slot_hdr;
+
+_Static_assert(sizeof(mpl_slot_hdr) == 2 * MPL_CACHE_LINE, "slot header is two cache lines");
+
+/* The control block at offset 0.  magic and layout_version come first and stay
+ * first in every future layout, so any version can recognise any other. */
+typedef struct mpl_ctl {
+    uint64_t magic;          /* MPL_MAGIC */
+    uint32_t layout_version; /* MPL_LAYOUT_VERSION */
+    uint32_t nslots;
+    uint64_t reserve_bytes;
+    uint64_t headers_off;
+    /* Bump allocator for payload ranges: the file's size.  Workers and the parent
+     * allocate from it concurrently, so it is an atomic RMW counter on its own line. */
+    _Alignas(MPL_CACHE_LINE) _Atomic uint64_t file_end;
+    /* Largest payload any batch needed (a sizing hint for later slots). */
+    _Alignas(MPL_CACHE_LINE) _Atomic uint64_t size_hint;
+    /* FUTEX_WAKE calls made by publishers (statistics; only touched when waking). */
+    _Alignas(MPL_CACHE_LINE) _Atomic uint64_t wakes;
+} mpl_ctl;
+
+_Static_assert(sizeof(mpl_ctl) <= MPL_PAGE, "control block fits its page");
+
+static inline mpl_ctl *ctl_of(const mpl_region *r) { return (mpl_ctl *)r->base; }
+
+static inline mpl_slot_hdr *hdr_of(const mpl_region *r, uint32_t slot) {
+    return (mpl_slot_hdr *)(r->base + ctl_of(r)->headers_off) + slot;
+}
+
+static inline uint64_t round_up(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
+
+static inline uint64_t payload_start(uint32_t nslots) {
+    return round_up(MPL_PAGE + (uint64_t)nslots * sizeof(mpl_slot_hdr), MPL_PAGE);
+}
+
+/* Fault in [p, p+n) for writing in this process (region.c).  Returns 0 or MPL_ESYS. */
+int mpl__populate(uint8_t *p, uint64_t n);
+
+/* Carve a page-aligned range of `n` bytes from the file and fault it in (region.c).
+ * Returns its offset, or 0 (never a valid payload offset) with *err set to
+ * MPL_ENOSPACE or MPL_ESYS. */
+uint64_t mpl__carve(mpl_region *r, uint64_t n, int *err);
+
+#endif /* MPLOADER_RING_IMPL_H */
