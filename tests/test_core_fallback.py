@@ -15,10 +15,10 @@ import warnings
 
 import numpy as np
 import pytest
+from _util import lease_of
 
 import mploader
 from mploader._ring import SlotLease
-from _util import lease_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,6 +114,16 @@ def test_ragged_lists_travel_inband():
     stats = run_and_compare(Fn(20, lambda i: (list(range(i % 5 + 1)), np.float64(i))), 4)
     assert stats["batches"] == 5
     assert stats["fallback_inband"] == 5
+    assert stats["slot"] == 0 and stats["fallback_pipe"] == 0
+
+
+@pytest.mark.parametrize("text", [lambda i: "word " * (i % 4) + "é", lambda i: "nul\0" * (i % 3) + "\udc80"],
+                         ids=["plain", "with NULs and a lone surrogate"])
+def test_strings_travel_inband(text):
+    """Strings (NUL-joined in the descriptor, or pickled when they hold a NUL) come
+    back as the list default_batchify makes, counted as in-band."""
+    stats = run_and_compare(Fn(20, lambda i: (text(i), i, [i] * (i % 3))), 4)
+    assert stats["batches"] == 5 and stats["fallback_inband"] == 5
     assert stats["slot"] == 0 and stats["fallback_pipe"] == 0
 
 
@@ -242,10 +252,10 @@ def test_holding_every_batch_falls_back_to_pipe_with_one_warning(num_workers):
         gc.collect()
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            for k, (arr, num) in enumerate(dl):
+            for k, (arr, _num) in enumerate(dl):
                 assert arr[0, 0] == k
                 assert isinstance(lease_of(arr), SlotLease)
-            del arr, num
+            del arr, _num
         after = dl.stats()
         assert after["slot"] == stats["slot"] + 30
         assert after["fallback_pipe"] == stats["fallback_pipe"]

@@ -21,15 +21,14 @@ import gc
 
 import numpy as np
 import pytest
+from _util import lease_of
+from conftest import Snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import mploader
 from mploader._ring import SlotLease
-
-from conftest import Snapshot
-from _util import lease_of
 
 pytestmark = pytest.mark.timeout(150)
 
