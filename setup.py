@@ -6,11 +6,11 @@ ext = Extension(
     "mploader._ring",
     sources=["mploader/_ring.pyx", "csrc/ring.c", "csrc/region.c", "csrc/proc.c"],
     include_dirs=["csrc"],
-    # -Wall -Wextra -Werror for csrc/ring.c and for the Cython-generated mploader/_ring.c
+    # -Wall -Wextra -Werror for csrc/*.c and for the Cython-generated mploader/_ring.c
     # alike: the generated code compiles without a warning with Cython 3.3 and gcc 12, so
     # no -Wno-... is needed today.  Should a newer Cython emit one, add the narrowest
     # -Wno-<name> here with a comment saying which generated construct needs it.
-    # -pthread: ring.c starts a thread (watch_parent) and uses pthread_once/pthread_atfork.
+    # -pthread: proc.c starts a thread (watch_parent) and uses pthread_once/pthread_atfork.
     extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-pthread"],
     extra_link_args=["-pthread"],
 )
