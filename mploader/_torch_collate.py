@@ -1,0 +1,344 @@
+"""Collation into the slot for the PyTorch face (``mploader.torch``).
+
+A worker of :class:`mploader.torch.DataLoader` must hand the engine a batch made of
+containers, plain Python values and NumPy arrays: the engine writes arrays into the
+slot and pickles the rest (docs/design.md, "Batch descriptor").  Pickling a tensor
+would pickle its whole storage -- for ``dataset.x[i]``, a view of a 100 MB tensor,
+100 MB per sample -- so no tensor may reach the engine.  Three ways a batch is built:
+
+* :func:`collate_into` computes exactly what ``torch.utils.data.default_collate``
+  returns in a worker (types, dtypes, shapes, nesting), but every output tensor is
+  written once, by ``torch.stack(..., out=)``, into an array that ``alloc`` handed
+  out in the slot.  Each such array travels as a :class:`TensorLeaf`, which the
+  parent's unpickler turns into ``torch.from_numpy(view)``: a zero-copy tensor over
+  the slot, whose NumPy base keeps the slot's lease alive.
+* :func:`convert_into` is ``default_convert`` (``batch_size=None``) with the same leaves.
+* :func:`pack` handles whatever a custom ``collate_fn`` returned: the object is
+  pickled with every CPU tensor and plain ndarray replaced by a persistent id, and
+  the arrays (only each tensor's own elements, never its storage) go to the slot
+  beside the pickle; :func:`unpack` in the parent rebuilds the object with tensors
+  (``torch.from_numpy``) where the worker had tensors and arrays where it had arrays.
+
+Only :mod:`mploader.torch` imports this module (it imports torch).
+"""
+from __future__ import annotations
+
+import collections.abc
+import copy
+import io
+import pickle
+import re
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils.data._utils import collate as _torch_collate
+
+#: ``alloc(shape, dtype) -> ndarray``: a writable, C-contiguous array (a slot view in a worker).
+Alloc = Callable[[tuple, Any], np.ndarray]
+
+#: NumPy dtype strings default_collate refuses (torch's ``np_str_obj_array_pattern``).
+_STR_OBJ = re.compile(r"[SaUO]")
+_ERR = "default_collate: batch must contain tensors, numpy arrays, numbers, dicts or lists; found {}"
+_NESTED_MSG = ("Batches of nested tensors are not currently supported by the default collate_fn; "
+               "please provide a custom collate_fn to handle them appropriately.")
+_SPARSE_MSG = ("Batches of sparse tensors are not currently supported by the default collate_fn; "
+               "please provide a custom collate_fn to handle them appropriately.")
+_SPARSE = {torch.sparse_coo, torch.sparse_csr, torch.sparse_bsr, torch.sparse_csc, torch.sparse_bsc}
+
+#: torch dtype -> the NumPy dtype ``Tensor.numpy()`` gives (those with an equivalent).
+_NP_OF: dict[torch.dtype, np.dtype] = {}
+for _name in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64",
+              "complex64", "complex128", "uint16", "uint32", "uint64"):
+    _td = getattr(torch, _name, None)
+    if _td is not None:
+        try:
+            _NP_OF[_td] = torch.empty(0, dtype=_td).numpy().dtype
+        except (TypeError, RuntimeError):  # pragma: no cover - older torch without numpy support for it
+            pass
+#: Integer stand-ins of the same item size, for dtypes NumPy lacks (bfloat16, complex32, float8 ...).
+_RAW_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_NP_TYPES_TORCH_TAKES = frozenset(_NP_OF.values())
+
+
+def _np_dtype_for(dtype: torch.dtype) -> tuple[np.dtype, str | None]:
+    """The NumPy dtype an array holding ``dtype`` elements uses, and the torch dtype
+    name to view it back as (None when NumPy has the dtype itself)."""
+    npd = _NP_OF.get(dtype)
+    if npd is not None:
+        return npd, None
+    raw = _RAW_OF_SIZE.get(dtype.itemsize)
+    if raw is None:
+        raise TypeError(f"mploader.torch cannot place tensors of dtype {dtype} in shared memory")
+    return _NP_OF[raw], str(dtype).rpartition(".")[2]
+
+
+class TensorLeaf(tuple):
+    """``(array, torch_dtype_name)``: a tensor in transit through a slot.
+
+    In the worker it holds the array (in the slot, or anywhere: the engine copies it
+    in once); unpickled in the parent it becomes ``torch.from_numpy(array)`` (viewed
+    as ``torch_dtype_name`` for dtypes NumPy lacks) -- zero-copy, kept alive by the
+    array and hence by the slot lease.  A tuple subclass so that the engine treats it
+    as structure, not as an in-band object.
+    """
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple:
+        return (tensor_from_array, tuple(self))
+
+
+def tensor_from_array(array: np.ndarray, dtype_name: str | None = None, requires_grad: bool = False) -> torch.Tensor:
+    """The tensor a :class:`TensorLeaf` stands for (parent side; zero-copy)."""
+    t = torch.from_numpy(array)
+    if dtype_name is not None:
+        t = t.view(getattr(torch, dtype_name))
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _array_of(t: torch.Tensor) -> tuple[np.ndarray, str | None]:
+    """A NumPy view of exactly ``t``'s elements (never its whole storage) and the dtype
+    name needed to view it back.  The engine copies the view's bytes into the slot."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.is_neg():
+        t = t.resolve_neg()
+    npd, name = _np_dtype_for(t.dtype)
+    if name is not None:
+        t = t.view(_RAW_OF_SIZE[t.dtype.itemsize])
+    return t.numpy(), name
+
+
+def leaf_of_tensor(t: torch.Tensor) -> TensorLeaf:
+    """A leaf for a tensor that is not in the slot: its elements are copied in once."""
+    return TensorLeaf(_array_of(t))
+
+
+def _leaf_into(t: torch.Tensor, alloc: Alloc) -> TensorLeaf:
+    """Copy a small, freshly computed tensor into ``alloc``'s memory."""
+    npd, name = _np_dtype_for(t.dtype)
+    out = alloc(tuple(t.shape), npd)
+    dest = torch.from_numpy(out)
+    if name is not None:
+        dest = dest.view(t.dtype)
+    dest.copy_(t)
+    return TensorLeaf((out, name))
+
+
+# ---------------------------------------------------------------------------
+# default_collate, into the slot
+# ---------------------------------------------------------------------------
+
+_STOCK_MAP = dict(_torch_collate.default_collate_fn_map)
+
+
+def stock_default_collate() -> bool:
+    """Whether ``default_collate_fn_map`` is torch's own (users may extend it in place;
+    then the face calls ``default_collate`` itself and packs its result)."""
+    current = _torch_collate.default_collate_fn_map
+    return len(current) == len(_STOCK_MAP) and all(current.get(k) is f for k, f in _STOCK_MAP.items())
+
+
+def collate_into(batch: Any, alloc: Alloc) -> Any:
+    """``default_collate(batch)`` as a worker of torch's DataLoader computes it, with
+    every output tensor written once into ``alloc``'s memory (a :class:`TensorLeaf`).
+
+    Mirrors torch 2.13's ``collate`` with ``default_collate_fn_map``: tensors are
+    stacked into a tensor of the first element's dtype (what a torch worker does);
+    NumPy arrays become tensors (string/object dtypes raise TypeError); NumPy scalars
+    ``torch.as_tensor``, floats float64, ints ``torch.tensor`` (bools -> bool); str and
+    bytes stay as they are (the list or tuple of them); mappings, namedtuples and
+    sequences recurse (a tuple becomes a list).  Raises exactly torch's errors
+    (TypeError for unsupported elements, RuntimeError for ragged sequences or tensors).
+    """
+    elem = batch[0]
+    elem_type = type(elem)
+    if isinstance(elem, torch.Tensor):
+        return _stack_tensors(batch, alloc)
+    if isinstance(elem, np.ndarray):
+        if _STR_OBJ.search(elem.dtype.str) is not None:
+            raise TypeError(_ERR.format(elem.dtype))
+        dtype, shape = elem.dtype, elem.shape
+        if (dtype in _NP_TYPES_TORCH_TAKES and dtype.isnative
+                and all(type(b) is np.ndarray and b.dtype == dtype and b.shape == shape and b.flags.writeable
+                        for b in batch)):
+            out = alloc((len(batch),) + shape, dtype)
+            if out.size:
+                if shape:  # one C call: sample i lands at out[i]
+                    np.concatenate(batch, axis=0, out=out.reshape((len(batch) * shape[0],) + shape[1:]),
+                                   casting="no")
+                else:
+                    for i, b in enumerate(batch):
+                        out[i] = b
+            return TensorLeaf((out, None))
+        return _stack_tensors([torch.as_tensor(b) for b in batch], alloc)
+    if isinstance(elem, (np.bool_, np.number, np.object_)):
+        return _leaf_into(torch.as_tensor(batch), alloc)
+    if isinstance(elem, float):
+        return _leaf_into(torch.tensor(batch, dtype=torch.float64), alloc)
+    if isinstance(elem, int):
+        return _leaf_into(torch.tensor(batch), alloc)
+    if isinstance(elem, (str, bytes)):
+        return batch
+    if isinstance(elem, collections.abc.Mapping):
+        values = {key: collate_into([d[key] for d in batch], alloc) for key in elem}
+        try:
+            if isinstance(elem, collections.abc.MutableMapping):
+                clone = copy.copy(elem)
+                clone.update(values)
+                return clone
+            return elem_type(values)
+        except TypeError:
+            return values
+    if isinstance(elem, tuple) and hasattr(elem, "_fields"):  # namedtuple
+        return elem_type(*(collate_into(samples, alloc) for samples in zip(*batch)))
+    if isinstance(elem, collections.abc.Sequence):
+        it = iter(batch)
+        elem_size = len(next(it))
+        if not all(len(e) == elem_size for e in it):
+            raise RuntimeError("each element in list of batch should be of equal size")
+        columns = [collate_into(samples, alloc) for samples in zip(*batch)]
+        if isinstance(elem, tuple):
+            return columns
+        try:
+            if isinstance(elem, collections.abc.MutableSequence):
+                clone = copy.copy(elem)
+                for i, c in enumerate(columns):
+                    clone[i] = c
+                return clone
+            return elem_type(columns)
+        except TypeError:
+            return columns
+    raise TypeError(_ERR.format(elem_type))
+
+
+def _stack_tensors(batch: Any, alloc: Alloc) -> TensorLeaf:
+    elem = batch[0]
+    if elem.is_nested:
+        raise RuntimeError(_NESTED_MSG)
+    if elem.layout in _SPARSE:
+        raise RuntimeError(_SPARSE_MSG)
+    sum(x.numel() for x in batch)  # a torch worker sizes its storage so (AttributeError for non-tensors)
+    shape = elem.shape
+    if all(isinstance(x, torch.Tensor) and x.layout == torch.strided and x.device.type == "cpu"
+           and x.shape == shape for x in batch) and elem.dtype in _NP_OF:
+        # A torch worker stacks into new storage of elem's dtype (casting or refusing
+        # the others exactly as stack(out=) does); here that storage is the slot.
+        out = alloc((len(batch),) + tuple(shape), _NP_OF[elem.dtype])
+        torch.stack(batch, 0, out=torch.from_numpy(out))
+        return TensorLeaf((out, None))
+    # Ragged shapes, mixed element types, dtypes NumPy lacks, other devices: torch's
+    # own stack (its result, or its error), then one copy into the slot.
+    return _leaf_into(torch.stack(batch, 0, out=torch.empty(0, dtype=elem.dtype, device=elem.device)).cpu(),
+                      alloc)
+
+
+def convert_into(data: Any) -> Any:
+    """``default_convert(data)`` (``batch_size=None``) with tensors as leaves.
+
+    NumPy arrays (not string/object dtype) and NumPy scalars become tensors, tensors
+    stay tensors; mappings, namedtuples and sequences recurse (a tuple becomes a list,
+    str/bytes stay); anything else is returned unchanged -- torch 2.13's rules.
+    """
+    elem_type = type(data)
+    if isinstance(data, torch.Tensor):
+        return leaf_of_tensor(data)
+    if elem_type.__module__ == "numpy" and elem_type.__name__ not in ("str_", "string_"):
+        if elem_type.__name__ == "ndarray" and _STR_OBJ.search(data.dtype.str) is not None:
+            return data
+        return leaf_of_tensor(torch.as_tensor(data))
+    if isinstance(data, collections.abc.Mapping):
+        values = {key: convert_into(data[key]) for key in data}
+        try:
+            if isinstance(data, collections.abc.MutableMapping):
+                clone = copy.copy(data)
+                clone.update(values)
+                return clone
+            return elem_type(values)
+        except TypeError:
+            return values
+    if isinstance(data, tuple) and hasattr(data, "_fields"):
+        return elem_type(*(convert_into(d) for d in data))
+    if isinstance(data, tuple):
+        return [convert_into(d) for d in data]
+    if isinstance(data, collections.abc.Sequence) and not isinstance(data, (str, bytes)):
+        items = [convert_into(d) for d in data]
+        try:
+            if isinstance(data, collections.abc.MutableSequence):
+                clone = copy.copy(data)
+                for i, d in enumerate(items):
+                    clone[i] = d
+                return clone
+            return elem_type(items)
+        except TypeError:
+            return items
+    return data
+
+
+# ---------------------------------------------------------------------------
+# Whatever a custom collate_fn returned
+# ---------------------------------------------------------------------------
+
+class _Packer(pickle.Pickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=5)
+        self.arrays: list[np.ndarray] = []
+        self.ids: dict[int, tuple] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        t = type(obj)
+        if t is torch.Tensor:
+            if obj.layout != torch.strided or obj.is_nested or obj.is_quantized:
+                return None  # pickled as torch pickles it
+            pid = self.ids.get(id(obj))
+            if pid is None:
+                arr, name = _array_of(obj)
+                self.arrays.append(arr)
+                pid = self.ids[id(obj)] = ("t", len(self.arrays) - 1, name, obj.requires_grad)
+            return pid
+        if t is np.ndarray and not obj.dtype.hasobject and obj.dtype.itemsize:
+            pid = self.ids.get(id(obj))
+            if pid is None:
+                self.arrays.append(obj)
+                pid = self.ids[id(obj)] = ("n", len(self.arrays) - 1)
+            return pid
+        return None
+
+
+def pack(obj: Any) -> tuple[bytes, list[np.ndarray]]:
+    """Worker side: ``(pickle, arrays)`` of ``obj`` with its tensors and arrays taken
+    out (see the module docstring)."""
+    f = io.BytesIO()
+    p = _Packer(f)
+    p.dump(obj)
+    return (f.getvalue(), p.arrays)
+
+
+class _Unpacker(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, arrays: list[np.ndarray]) -> None:
+        super().__init__(file)
+        self.arrays = arrays
+        self.built: dict[tuple, Any] = {}
+
+    def persistent_load(self, pid: Any) -> Any:
+        obj = self.built.get(pid)
+        if obj is None:
+            if pid[0] == "t":
+                obj = tensor_from_array(self.arrays[pid[1]], pid[2], pid[3])
+            else:
+                obj = self.arrays[pid[1]]
+            self.built[pid] = obj
+        return obj
+
+
+def unpack(packed: Any) -> Any:
+    """Parent side of :func:`pack`: tensors (zero-copy over the slot) where the worker
+    had tensors, NumPy arrays where it had arrays."""
+    blob, arrays = packed
+    return _Unpacker(io.BytesIO(blob), arrays).load()

@@ -1,0 +1,174 @@
+"""What a worker of :class:`mploader.torch.DataLoader` runs: start-up and fetch.
+
+Both objects are module-level classes so that spawn/forkserver workers can unpickle
+them; the engine pickles them together with the dataset (one pickle), so the
+dataset :class:`WorkerInit` publishes in ``get_worker_info()`` is the very object
+:class:`Fetch` reads from.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+from torch.utils.data._utils import worker as _torch_worker
+
+from ._torch_collate import collate_into, convert_into, pack, stock_default_collate
+
+_MASK32 = 0xFFFFFFFF
+
+
+def numpy_seed_state(base_seed: int, worker_id: int) -> list[int]:
+    """The four uint32 words torch's worker passes to ``np.random.seed``: NumPy's
+    ``SeedSequence`` hashing of ``[worker_id, base_seed & MASK32, base_seed >> 32, 0]``
+    (torch's ``_generate_state``; constants from numpy/random/bit_generator.pyx)."""
+    init_a, mult_a, init_b, mult_b = 0x43B0D7E5, 0x931E8875, 0x8B51F9DD, 0x58F38DED
+    mix_l, mix_r, xshift = 0xCA01F9DD, 0x4973F715, 16
+    hash_const = init_a
+
+    def hashmix(value: int) -> int:
+        nonlocal hash_const
+        value = (value ^ hash_const) & _MASK32
+        hash_const = (hash_const * mult_a) & _MASK32
+        value = (value * hash_const) & _MASK32
+        return (value ^ (value >> xshift)) & _MASK32
+
+    def mix(x: int, y: int) -> int:
+        r = (((mix_l * x) & _MASK32) - ((mix_r * y) & _MASK32)) & _MASK32
+        return (r ^ (r >> xshift)) & _MASK32
+
+    pool = [hashmix(v) for v in (worker_id, base_seed & _MASK32, base_seed >> 32, 0)]
+    for src in range(4):
+        for dst in range(4):
+            if src != dst:
+                pool[dst] = mix(pool[dst], hashmix(pool[src]))
+    out, hash_b = [], init_b
+    for v in pool:
+        v = (v ^ hash_b) & _MASK32
+        hash_b = (hash_b * mult_b) & _MASK32
+        v = (v * hash_b) & _MASK32
+        out.append((v ^ (v >> xshift)) & _MASK32)
+    return out
+
+
+class WorkerInit:
+    """The engine's ``worker_init``: what torch's ``_worker_loop`` does before its
+    first task.
+
+    ``torch.set_num_threads(1)``; unless batches are seeded by the engine
+    (``per_batch``), ``random`` and torch are seeded with ``base_seed + worker_id``
+    and NumPy's global RNG with :func:`numpy_seed_state`; ``get_worker_info()``
+    returns torch's ``WorkerInfo(id, num_workers, seed, dataset)``; then the user's
+    ``worker_init_fn(worker_id)``.  ``base_seed`` is set by the parent before the
+    workers of an epoch start (torch draws a new one for every iterator).
+    """
+
+    def __init__(self, dataset: Any, worker_init_fn: Callable[[int], None] | None, per_batch: bool) -> None:
+        self.dataset = dataset
+        self.worker_init_fn = worker_init_fn
+        self.per_batch = per_batch
+        self.base_seed = 0
+
+    def __call__(self, worker_id: int, num_workers: int) -> None:
+        torch.set_num_threads(1)
+        seed = self.base_seed + worker_id
+        if not self.per_batch:
+            random.seed(seed)
+            torch.manual_seed(seed)
+            np.random.seed(numpy_seed_state(self.base_seed, worker_id))
+        _torch_worker._worker_info = _torch_worker.WorkerInfo(
+            id=worker_id, num_workers=num_workers, seed=seed, dataset=self.dataset)
+        if self.worker_init_fn is not None:
+            self.worker_init_fn(worker_id)
+
+
+class _Exhausted(tuple):
+    """What a worker returns for a task once its IterableDataset copy is exhausted."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple:
+        return (_exhausted, ())
+
+
+def _exhausted() -> "_Exhausted":
+    return EXHAUSTED
+
+
+EXHAUSTED = _Exhausted()
+
+#: How a batch's samples become what the worker returns (see :class:`Fetch`).
+DEFAULT, CONVERT, CUSTOM = "default", "convert", "custom"
+
+
+class Fetch:
+    """The engine's ``fetch(dataset, indices, alloc)`` for the torch face.
+
+    Returns ``(worker_id, payload, packed)``: ``packed`` says the payload is a
+    :func:`~mploader._torch_collate.pack` result (the parent unpacks it).  For a map-style dataset ``indices`` is what the
+    (batch) sampler yielded and the samples are ``dataset.__getitems__(indices)``
+    when the dataset has it, else ``[dataset[i] for i in indices]`` (``dataset[indices]``
+    without auto-batching), as torch's ``_MapDatasetFetcher``.  For an
+    IterableDataset ``indices`` is ``("iter", epoch, n)``: the worker takes the next
+    ``n`` samples (one sample for ``n=None``) from its own iterator over its copy of
+    the dataset, a new iterator whenever ``epoch`` changes; once that iterator is
+    exhausted (or, with ``drop_last``, cannot fill a batch) the payload is
+    :data:`EXHAUSTED`, as torch's ``_IterableDatasetFetcher``.
+
+    ``mode``: DEFAULT (:func:`collate_into`, or ``default_collate`` + :func:`pack`
+    when ``default_collate_fn_map`` was extended), CONVERT (:func:`convert_into`),
+    CUSTOM (``collate_fn`` + :func:`pack`).
+    """
+
+    def __init__(self, mode: str, collate_fn: Callable, auto_collation: bool, drop_last: bool) -> None:
+        self.mode = mode
+        self.auto_collation = auto_collation
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+        self._epoch: Any = None
+        self._iter: Any = None
+        self._ended = False
+
+    def __call__(self, dataset: Any, indices: Any, alloc: Callable) -> tuple[int, Any, bool]:
+        info = _torch_worker._worker_info
+        wid = info.id if info is not None else -1
+        if isinstance(dataset, IterableDataset):
+            data = self._next_samples(dataset, indices)
+            if data is EXHAUSTED:
+                return (wid, EXHAUSTED, False)
+        elif self.auto_collation:
+            getitems = getattr(dataset, "__getitems__", None)
+            data = getitems(indices) if getitems else [dataset[i] for i in indices]
+        else:
+            data = dataset[indices]
+        if self.mode == DEFAULT and stock_default_collate():
+            return (wid, collate_into(data, alloc), False)
+        if self.mode == CONVERT:
+            return (wid, convert_into(data), False)
+        return (wid, pack(self.collate_fn(data)), True)
+
+    def _next_samples(self, dataset: Any, indices: Any) -> Any:
+        _, epoch, n = indices
+        if epoch != self._epoch:
+            self._epoch, self._iter, self._ended = epoch, None, False
+            self._iter = iter(dataset)
+        if self._ended:
+            return EXHAUSTED
+        if n is None:
+            try:
+                return next(self._iter)
+            except StopIteration:
+                self._ended = True
+                return EXHAUSTED
+        data = []
+        for _ in range(n):
+            try:
+                data.append(next(self._iter))
+            except StopIteration:
+                self._ended = True
+                break
+        if not data or (self.drop_last and len(data) < n):
+            return EXHAUSTED
+        return data

@@ -1,0 +1,372 @@
+"""``mploader.torch.DataLoader``: torch's DataLoader with workers that collate into the ring.
+
+Change one import::
+
+    # from torch.utils.data import DataLoader
+    from mploader.torch import DataLoader
+
+The class *is* a ``torch.utils.data.DataLoader`` (a subclass): its constructor is
+torch's, so every argument check, error message, warning, attribute rule and
+``len()`` is the installed torch's own, and ``isinstance(loader,
+torch.utils.data.DataLoader)`` holds for libraries that check it.  What differs is
+how batches travel from workers (docs/faces.md, "PyTorch"): each worker collates
+its batch straight into a slot of mploader's shared-memory ring and the training
+loop receives tensors that are zero-copy views of that slot
+(``torch.from_numpy`` over the slot), kept alive by the slot's lease.
+
+This is the only module of mploader that imports torch at import time.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import numbers
+import random
+from typing import Any, Callable, Iterable, TypeVar
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader as _TorchDataLoader
+from torch.utils.data import IterableDataset, default_collate, default_convert, get_worker_info
+from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
+
+from . import _engine
+from ._torch_collate import unpack
+from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, Fetch, WorkerInit
+
+__all__ = ["DataLoader", "get_worker_info", "default_collate", "default_convert"]
+
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class DataLoader(_TorchDataLoader[_T_co]):
+    """``torch.utils.data.DataLoader`` whose workers collate into a shared-memory ring.
+
+    Parameters
+    ----------
+    dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
+    pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+    prefetch_factor, persistent_workers, pin_memory_device, in_order
+        Exactly torch's (the installed torch's constructor validates them and raises
+        its own errors).  Batches, their order, the samplers' use of ``generator``,
+        worker seeding (a base seed drawn from ``generator`` -- or torch's global RNG
+        -- at every ``iter()``; worker ``i`` seeds ``random`` and torch with
+        ``base_seed + i`` and NumPy from both), ``get_worker_info()``,
+        ``worker_init_fn``, round-robin task assignment, IterableDataset replicas,
+        ``prefetch_factor`` batches in flight per worker, ``persistent_workers``,
+        ``in_order`` and ``timeout`` behave as torch's.
+    shared_mem : int, optional
+        mploader: initial payload bytes per slot; None (default) sizes slots from
+        the first batch with 25 % headroom, and a larger batch grows its slot.
+    copy : bool
+        mploader: return tensors that own their memory instead of views of the slot.
+    seed : int, optional
+        mploader's stronger seeding, opt-in: before each batch the worker seeds
+        ``random``, NumPy's global RNG and torch from ``(seed, epoch, batch index)``,
+        so an epoch's batches (random augmentations included) are the same for any
+        ``num_workers``, 0 included (there the caller's RNG states are restored after
+        each batch).  None (default): torch's per-worker seeding.
+
+    Notes
+    -----
+    With ``num_workers=0`` (and no ``seed``) iteration is torch's own single-process
+    iterator.  With workers, a batch that ``default_collate`` would build is computed
+    in the worker straight into the slot; tensors come back as
+    ``torch.from_numpy(slot view)`` -- a returned tensor never changes, whatever later
+    batches, epochs or ``close()`` do, and its slot is reused once every tensor of the
+    batch has been garbage-collected.  A custom ``collate_fn`` runs in the worker; the
+    tensors and arrays it returns are copied into the slot once (only their own
+    elements, never a whole storage) and come back as tensors and arrays
+    respectively.  ``pin_memory=True`` without an accelerator warns at ``iter()``
+    as torch does and returns unpinned tensors.
+
+    Raises
+    ------
+    Whatever torch's constructor raises for its arguments; TypeError/ValueError
+    naming ``shared_mem``, ``copy`` or ``seed`` for bad mploader arguments.  While
+    iterating: the worker's exception re-raised as torch does (same type, message
+    "Caught X in DataLoader worker process N. Original Traceback ..."), with the
+    sample indices in its ``__cause__`` (``mploader._errors.WorkerTraceback``) and a
+    note; ``RuntimeError("DataLoader timed out after N seconds")``;
+    ``mploader.WorkerError`` (a RuntimeError) when a worker dies.
+    """
+
+    def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None, sampler: Any = None,
+                 batch_sampler: Any = None, num_workers: int = 0, collate_fn: Callable | None = None,
+                 pin_memory: bool = False, drop_last: bool = False, timeout: float = 0,
+                 worker_init_fn: Callable[[int], None] | None = None, multiprocessing_context: Any = None,
+                 generator: Any = None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 pin_memory_device: str = "", in_order: bool = True, shared_mem: int | None = None,
+                 copy: bool = False, seed: int | None = None) -> None:
+        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory,
+                         drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                         pin_memory_device=pin_memory_device, in_order=in_order)
+        if shared_mem is not None and (isinstance(shared_mem, bool) or not isinstance(shared_mem, numbers.Integral)
+                                       or shared_mem < 0):
+            raise ValueError(f"shared_mem must be a non-negative number of bytes or None, got {shared_mem!r}")
+        if not isinstance(copy, bool):
+            raise TypeError(f"copy must be a bool, got {copy!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
+        self._mpl_shared_mem = None if shared_mem is None else int(shared_mem)
+        self._mpl_copy = copy
+        self._mpl_seed = None if seed is None else int(seed)
+        self._mpl_engine: _engine.Engine | None = None
+        self._mpl_engine_key: tuple | None = None
+        self._mpl_init: WorkerInit | None = None
+        self._mpl_epoch = 0
+
+    # ---- iterators ----
+
+    def _get_iterator(self) -> _BaseDataLoaderIter:
+        if self.num_workers == 0:
+            if self._mpl_seed is None:
+                return _SingleProcessDataLoaderIter(self)
+            return _SeededInlineIter(self)
+        self.check_worker_number_rationality()
+        return _RingIter(self)
+
+    def _mpl_next_epoch(self) -> int:
+        epoch = self._mpl_epoch
+        self._mpl_epoch += 1
+        return epoch
+
+    def _mpl_get_engine(self) -> tuple[_engine.Engine, WorkerInit]:
+        """The loader's engine (created at the first multi-worker ``iter()``, again
+        when ``num_workers``, the start method or the collate function changed)."""
+        ctx = self.multiprocessing_context
+        if ctx is None:
+            start_method = multiprocessing.get_start_method(allow_none=True) or "fork"
+        elif isinstance(ctx, str):
+            start_method = ctx
+        else:
+            start_method = ctx.get_start_method()
+        key = (self.num_workers, start_method, self.prefetch_factor, self.timeout, self.collate_fn,
+               self.worker_init_fn)
+        if self._mpl_engine is None or self._mpl_engine_key != key or self._mpl_engine.closed:
+            if self._mpl_engine is not None:
+                self._mpl_engine.close()
+            if self.collate_fn is default_collate and self._auto_collation:
+                mode = DEFAULT
+            elif self.collate_fn is default_convert and not self._auto_collation:
+                mode = CONVERT
+            else:
+                mode = CUSTOM
+            fetch = Fetch(mode, self.collate_fn, self._auto_collation, self.drop_last)
+            init = WorkerInit(self.dataset, self.worker_init_fn, per_batch=self._mpl_seed is not None)
+            self._mpl_engine = _engine.Engine(
+                self.dataset, fetch, num_workers=self.num_workers,
+                prefetch=self.prefetch_factor * self.num_workers, shared_mem=self._mpl_shared_mem,
+                timeout_s=self.timeout or None, seed=self._mpl_seed or 0, copy=self._mpl_copy,
+                worker_init=init, reseed_per_batch=self._mpl_seed is not None, start_method=start_method)
+            self._mpl_engine_key = key
+            self._mpl_init = init
+        assert self._mpl_init is not None
+        return self._mpl_engine, self._mpl_init
+
+    # ---- mploader extras ----
+
+    def close(self) -> None:
+        """Stop the workers and release the shared memory (tensors already returned
+        stay valid).  Idempotent; the loader starts new workers if iterated again."""
+        engine, self._mpl_engine = self._mpl_engine, None
+        if engine is not None:
+            engine.close()
+
+    def __enter__(self) -> "DataLoader[_T_co]":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def stats(self) -> dict:
+        """The engine's counters (see ``mploader.DataLoader.stats``); empty before the
+        first multi-worker iteration."""
+        return self._mpl_engine.stats() if self._mpl_engine is not None else {}
+
+
+class _RingIter(_BaseDataLoaderIter):
+    """One pass (or, with ``persistent_workers``, every pass) over a DataLoader on
+    mploader's engine.  Task assignment is torch's ``_try_put_index``: round-robin
+    over the workers still active (with ``in_order=False``, only to workers holding
+    fewer than ``prefetch_factor * num_workers // active`` tasks)."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__(loader)
+        self._prefetch_factor = loader.prefetch_factor
+        self._in_order = loader.in_order
+        if self._num_workers <= 0:
+            raise AssertionError("num_workers must be greater than 0 for MultiProcessingDataLoaderIter")
+        if self._prefetch_factor <= 0:
+            raise AssertionError("prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
+        self._is_iterable = isinstance(self._dataset, IterableDataset)
+        self._engine: _engine.Engine | None = None
+        self._run: Any = None
+        self._reset(loader, first_iter=True)
+
+    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
+        super()._reset(loader, first_iter)
+        engine, init = loader._mpl_get_engine()
+        if first_iter or not self._persistent_workers or engine is not self._engine:
+            # New workers for this iterator, seeded from this iterator's base seed
+            # (torch draws one per iterator; persistent workers keep theirs).
+            engine.stop_workers()
+            init.base_seed = self._base_seed
+        self._engine = engine
+        self._dispatch = _Dispatch(self._num_workers, self._prefetch_factor, self._in_order)
+        self._epoch = loader._mpl_next_epoch()
+        self._run = engine.run(self._dispatch.tasks(self._epoch, self._sampler_iter, self._is_iterable),
+                               in_order=self._in_order)
+
+    def _next_data(self) -> Any:
+        while True:
+            try:
+                wid, payload, packed = next(self._run)
+            except StopIteration:
+                if not self._persistent_workers and self._engine is not None:
+                    self._engine.stop_workers()
+                raise
+            except TimeoutError as exc:
+                raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from exc
+            except Exception as exc:
+                cause = exc.__cause__
+                wid = getattr(cause, "worker_id", None)
+                if wid is None:
+                    raise
+                if 0 <= wid < self._num_workers:
+                    self._dispatch.num_tasks[wid] -= 1
+                raise _as_torch_error(exc, cause) from cause
+            if payload is EXHAUSTED:
+                self._dispatch.active[wid] = False
+                continue
+            self._dispatch.num_tasks[wid] -= 1
+            return unpack(payload) if packed else payload
+
+
+class _Dispatch:
+    """Torch's ``_try_put_index`` as a task stream the engine pulls from: round-robin
+    over the workers still active (an IterableDataset replica that is exhausted makes
+    its worker inactive); with ``in_order=False`` only to a worker holding fewer than
+    ``prefetch_factor * num_workers // active`` tasks.  Holds no reference to the
+    iterator (no iterator <-> run cycle)."""
+
+    def __init__(self, num_workers: int, prefetch_factor: int, in_order: bool) -> None:
+        self.num_workers = num_workers
+        self.max_tasks = prefetch_factor * num_workers
+        self.in_order = in_order
+        self.active = [True] * num_workers
+        self.num_tasks = [0] * num_workers
+        self.cycle = 0
+
+    def _pick(self) -> int | None:
+        active, num_tasks = self.active, self.num_tasks
+        for _ in range(self.num_workers):
+            w = self.cycle
+            self.cycle = (w + 1) % self.num_workers
+            if active[w] and (self.in_order or num_tasks[w] < self.max_tasks // sum(active)):
+                return w
+        return None
+
+    def tasks(self, epoch: int, sampler_iter: Any, iterable: bool) -> Iterable[tuple]:
+        """``(epoch, batch_index, indices, worker_id)`` for each index the sampler yields;
+        for an IterableDataset ``indices`` is ``("iter", epoch, batch size or None)``."""
+        send_idx = 0
+        for index in sampler_iter:
+            worker = self._pick()
+            if worker is None:
+                if not any(self.active):
+                    return
+                continue  # torch drops the index too (it cannot happen with a sane prefetch)
+            if iterable:
+                index = ("iter", epoch, None if index is None else len(index))
+            self.num_tasks[worker] += 1
+            yield (epoch, send_idx, index, worker)
+            send_idx += 1
+
+
+def _as_torch_error(exc: BaseException, cause: Any) -> BaseException:
+    """The exception torch's ``ExceptionWrapper.reraise`` would raise for ``exc`` raised
+    in worker ``cause.worker_id``: same type, message "Caught X in DataLoader worker
+    process N.\\nOriginal Traceback ...".  The engine's context (pid, batch, sample
+    indices) stays reachable as ``__cause__`` and in a note."""
+    exc_type = type(exc)
+    msg = f"Caught {exc_type.__name__} in DataLoader worker process {cause.worker_id}.\nOriginal {cause.traceback}"
+    new: BaseException
+    if exc_type is KeyError:
+        new = KeyError(_KeyErrorMessage(msg))
+    elif getattr(exc_type, "message", None):
+        try:
+            new = exc_type(message=msg)  # type: ignore[call-arg]
+        except Exception:  # noqa: BLE001 - as torch: unbuildable types become RuntimeError
+            new = RuntimeError(msg)
+    else:
+        try:
+            new = exc_type(msg)
+        except Exception:  # noqa: BLE001
+            new = RuntimeError(msg)
+    if hasattr(new, "add_note"):
+        new.add_note(f"mploader: worker {cause.worker_id} (pid {cause.pid}), batch {cause.batch}, "
+                     f"sample indices {cause.indices!r}")
+    return new
+
+
+class _KeyErrorMessage(str):
+    """A str whose repr is itself, so KeyError shows the message, not its repr (as torch)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class _SeededInlineIter(_BaseDataLoaderIter):
+    """``num_workers=0`` with ``seed``: torch's single-process iteration, with the RNGs
+    seeded from (seed, epoch, batch index) around each batch as a worker would and the
+    caller's RNG states restored afterwards."""
+
+    def __init__(self, loader: DataLoader) -> None:
+        super().__init__(loader)
+        if self._timeout != 0:
+            raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
+        from ._worker import batch_seed, seed_rngs
+        self._batch_seed, self._seed_rngs = batch_seed, seed_rngs
+        self._seed = loader._mpl_seed
+        self._epoch = loader._mpl_next_epoch()
+        self._batch_index = 0
+        self._it: Any = iter(self._dataset) if isinstance(self._dataset, IterableDataset) else None
+        self._ended = False
+
+    def _next_data(self) -> Any:
+        index = self._next_index()
+        saved = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
+        try:
+            self._seed_rngs(self._batch_seed(self._seed, self._epoch, self._batch_index))
+            self._batch_index += 1
+            data = self._fetch(index)
+        finally:
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+            torch.random.set_rng_state(saved[2])
+        if self._pin_memory:
+            data = torch.utils.data._utils.pin_memory.pin_memory(data, self._pin_memory_device)
+        return data
+
+    def _fetch(self, index: Any) -> Any:
+        dataset, collate_fn = self._dataset, self._collate_fn
+        if isinstance(dataset, IterableDataset):
+            if self._ended:
+                raise StopIteration
+            if not self._auto_collation:
+                return collate_fn(next(self._it))
+            data = []
+            for _ in index:
+                try:
+                    data.append(next(self._it))
+                except StopIteration:
+                    self._ended = True
+                    break
+            if not data or (self._drop_last and len(data) < len(index)):
+                raise StopIteration
+            return collate_fn(data)
+        if self._auto_collation:
+            getitems = getattr(dataset, "__getitems__", None)
+            return collate_fn(getitems(index) if getitems else [dataset[i] for i in index])
+        return collate_fn(dataset[index])
