@@ -28,7 +28,8 @@ import copy
 import io
 import pickle
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -208,10 +209,10 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
             return columns
         try:
             if isinstance(elem, collections.abc.MutableSequence):
-                clone = copy.copy(elem)
+                seq = copy.copy(elem)
                 for i, c in enumerate(columns):
-                    clone[i] = c
-                return clone
+                    seq[i] = c
+                return seq
             return elem_type(columns)
         except TypeError:
             return columns
@@ -271,10 +272,10 @@ def convert_into(data: Any) -> Any:
         items = [convert_into(d) for d in data]
         try:
             if isinstance(data, collections.abc.MutableSequence):
-                clone = copy.copy(data)
+                seq = copy.copy(data)
                 for i, d in enumerate(items):
-                    clone[i] = d
-                return clone
+                    seq[i] = d
+                return seq
             return elem_type(items)
         except TypeError:
             return items

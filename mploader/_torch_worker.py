@@ -8,7 +8,8 @@ dataset :class:`WorkerInit` publishes in ``get_worker_info()`` is the very objec
 from __future__ import annotations
 
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -93,7 +94,7 @@ class _Exhausted(tuple):
         return (_exhausted, ())
 
 
-def _exhausted() -> "_Exhausted":
+def _exhausted() -> _Exhausted:
     return EXHAUSTED
 
 
@@ -107,15 +108,18 @@ class Fetch:
     """The engine's ``fetch(dataset, indices, alloc)`` for the torch face.
 
     Returns ``(worker_id, payload, packed)``: ``packed`` says the payload is a
-    :func:`~mploader._torch_collate.pack` result (the parent unpacks it).  For a map-style dataset ``indices`` is what the
-    (batch) sampler yielded and the samples are ``dataset.__getitems__(indices)``
-    when the dataset has it, else ``[dataset[i] for i in indices]`` (``dataset[indices]``
-    without auto-batching), as torch's ``_MapDatasetFetcher``.  For an
-    IterableDataset ``indices`` is ``("iter", epoch, n)``: the worker takes the next
-    ``n`` samples (one sample for ``n=None``) from its own iterator over its copy of
-    the dataset, a new iterator whenever ``epoch`` changes; once that iterator is
-    exhausted (or, with ``drop_last``, cannot fill a batch) the payload is
-    :data:`EXHAUSTED`, as torch's ``_IterableDatasetFetcher``.
+    :func:`~mploader._torch_collate.pack` result (the parent unpacks it).
+
+    For a map-style dataset ``indices`` is what the (batch) sampler yielded and the
+    samples are ``dataset.__getitems__(indices)`` when the dataset has it, else
+    ``[dataset[i] for i in indices]`` (``dataset[indices]`` without auto-batching),
+    as torch's ``_MapDatasetFetcher``.
+
+    For an IterableDataset ``indices`` is ``("iter", epoch, n)``: the worker takes
+    the next ``n`` samples (one sample for ``n=None``) from its own iterator over its
+    copy of the dataset, a new iterator whenever ``epoch`` changes; once that
+    iterator is exhausted (or, with ``drop_last``, cannot fill a batch) the payload
+    is :data:`EXHAUSTED`, as torch's ``_IterableDatasetFetcher``.
 
     ``mode``: DEFAULT (:func:`collate_into`, or ``default_collate`` + :func:`pack`
     when ``default_collate_fn_map`` was extended), CONVERT (:func:`convert_into`),

@@ -18,10 +18,11 @@ This is the only module of mploader that imports torch at import time.
 """
 from __future__ import annotations
 
+import inspect
 import multiprocessing
-import numbers
 import random
-from typing import Any, Callable, Iterable, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -29,13 +30,15 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import IterableDataset, default_collate, default_convert, get_worker_info
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
 
-from . import _engine
+from . import _engine, _options
 from ._torch_collate import unpack
 from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, Fetch, WorkerInit
 
 __all__ = ["DataLoader", "get_worker_info", "default_collate", "default_convert"]
 
 _T_co = TypeVar("_T_co", covariant=True)
+#: torch >= 2.6 takes ``in_order``; with older torch the face keeps it itself.
+_TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(_TorchDataLoader.__init__).parameters
 
 
 class DataLoader(_TorchDataLoader[_T_co]):
@@ -97,20 +100,24 @@ class DataLoader(_TorchDataLoader[_T_co]):
                  generator: Any = None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True, shared_mem: int | None = None,
                  copy: bool = False, seed: int | None = None) -> None:
+        extra = {"in_order": in_order} if _TORCH_HAS_IN_ORDER else {}
         super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory,
                          drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-                         pin_memory_device=pin_memory_device, in_order=in_order)
-        if shared_mem is not None and (isinstance(shared_mem, bool) or not isinstance(shared_mem, numbers.Integral)
-                                       or shared_mem < 0):
-            raise ValueError(f"shared_mem must be a non-negative number of bytes or None, got {shared_mem!r}")
+                         pin_memory_device=pin_memory_device, **extra)
+        if not _TORCH_HAS_IN_ORDER:  # torch < 2.6: the face provides it
+            self.in_order = in_order
+        self._mpl_shared_mem = _options.check_int(
+            "shared_mem", shared_mem, minimum=0, maximum=_options.MAX_SLOT_BYTES, none_ok=True,
+            why_max=" bytes (the largest slot the ring can make)")
         if not isinstance(copy, bool):
-            raise TypeError(f"copy must be a bool, got {copy!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-            raise TypeError(f"seed must be an int or None, got {seed!r}")
-        self._mpl_shared_mem = None if shared_mem is None else int(shared_mem)
+            raise TypeError(f"copy must be a bool, got {copy!r} ({type(copy).__name__})")
+        self._mpl_seed = _options.check_int("seed", seed, minimum=0, none_ok=True)
+        if num_workers > 0 and self.prefetch_factor * num_workers > _options.MAX_PREFETCH:
+            raise ValueError(f"prefetch_factor * num_workers must be at most {_options.MAX_PREFETCH} (the ring "
+                             f"holds at most {_options.MAX_SLOTS} slots), got {self.prefetch_factor} * "
+                             f"{num_workers}")
         self._mpl_copy = copy
-        self._mpl_seed = None if seed is None else int(seed)
         self._mpl_engine: _engine.Engine | None = None
         self._mpl_engine_key: tuple | None = None
         self._mpl_init: WorkerInit | None = None
@@ -173,7 +180,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if engine is not None:
             engine.close()
 
-    def __enter__(self) -> "DataLoader[_T_co]":
+    def __enter__(self) -> DataLoader[_T_co]:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -10,7 +10,8 @@ def assert_same_batch(a, b, path="batch"):
     of the same dtype, shape and values, arrays likewise, other leaves equal."""
     assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
     if isinstance(b, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, \
+            f"{path}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
         assert a.requires_grad == b.requires_grad, path
         assert torch.equal(a.detach(), b.detach()) or (a.dtype.is_floating_point and torch.allclose(
             a.detach(), b.detach(), equal_nan=True, rtol=0, atol=0)), f"{path}: values differ"

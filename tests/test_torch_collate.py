@@ -16,13 +16,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _torch_util import assert_same_batch  # noqa: E402
 from torch.utils.data import default_collate, default_convert  # noqa: E402
 from torch.utils.data._utils import collate as torch_collate  # noqa: E402
 from torch.utils.data._utils import worker as torch_worker  # noqa: E402
 
-from _torch_util import assert_same_batch  # noqa: E402
-from mploader._torch_collate import (TensorLeaf, collate_into, convert_into, pack,  # noqa: E402
-                                     stock_default_collate, unpack)
+from mploader._torch_collate import TensorLeaf, collate_into, convert_into, pack, stock_default_collate, unpack  # noqa: E402
 from mploader._torch_worker import numpy_seed_state  # noqa: E402
 
 Point = collections.namedtuple("Point", "x y")

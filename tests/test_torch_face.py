@@ -9,6 +9,8 @@ import collections
 import gc
 import inspect
 import random
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -16,10 +18,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from _torch_util import assert_same_batch, assert_same_outcome, outcome  # noqa: E402
 from torch.utils.data import DataLoader as TorchDataLoader  # noqa: E402
 from torch.utils.data import Dataset, IterableDataset, get_worker_info  # noqa: E402
 
-from _torch_util import assert_same_batch, assert_same_outcome, outcome  # noqa: E402
 from mploader import _engine  # noqa: E402
 from mploader.torch import DataLoader  # noqa: E402
 
@@ -482,3 +484,15 @@ def test_spawn_and_forkserver_workers(method, no_leaks):
     for a, b in zip(got, ref):
         a.pop("get_worker_info"), b.pop("get_worker_info")
     assert_same_outcome(got, ref)
+
+
+def test_import_mploader_works_without_torch():
+    """Only mploader.torch imports torch: with torch unimportable, ``import mploader``
+    and the numpy faces work, and ``import mploader.torch`` raises ImportError."""
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import numpy as np, mploader\n"
+            "assert [b.shape for b in mploader.DataLoader(np.zeros((4, 2)), batch_size=2)] == [(2, 2)] * 2\n"
+            "assert not any(m == 'torch' or m.startswith('torch.') for m in sys.modules if sys.modules[m])\n"
+            "try:\n    import mploader.torch\nexcept ImportError:\n    print('ok')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
