@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import multiprocessing
 import random
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -30,7 +31,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import IterableDataset, default_collate, default_convert, get_worker_info
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
 
-from . import _engine, _options
+from . import _engine, _options, _pinning
 from ._torch_collate import unpack
 from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, Fetch, WorkerInit
 
@@ -121,6 +122,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._mpl_engine: _engine.Engine | None = None
         self._mpl_engine_key: tuple | None = None
         self._mpl_init: WorkerInit | None = None
+        self._mpl_pinned = False
         self._mpl_epoch = 0
 
     # ---- iterators ----
@@ -149,7 +151,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         else:
             start_method = ctx.get_start_method()
         key = (self.num_workers, start_method, self.prefetch_factor, self.timeout, self.collate_fn,
-               self.worker_init_fn)
+               self.worker_init_fn, bool(self.pin_memory))
         if self._mpl_engine is None or self._mpl_engine_key != key or self._mpl_engine.closed:
             if self._mpl_engine is not None:
                 self._mpl_engine.close()
@@ -161,15 +163,28 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 mode = CUSTOM
             fetch = Fetch(mode, self.collate_fn, self._auto_collation, self.drop_last)
             init = WorkerInit(self.dataset, self.worker_init_fn, per_batch=self._mpl_seed is not None)
+            pinner = self._mpl_pinner()
             self._mpl_engine = _engine.Engine(
                 self.dataset, fetch, num_workers=self.num_workers,
                 prefetch=self.prefetch_factor * self.num_workers, shared_mem=self._mpl_shared_mem,
                 timeout_s=self.timeout or None, seed=self._mpl_seed or 0, copy=self._mpl_copy,
-                worker_init=init, reseed_per_batch=self._mpl_seed is not None, start_method=start_method)
+                worker_init=init, reseed_per_batch=self._mpl_seed is not None, start_method=start_method,
+                on_grow=pinner.on_grow if pinner is not None else None)
+            if pinner is not None:
+                weakref.finalize(self._mpl_engine, pinner.release)
+            self._mpl_pinned = pinner is not None
             self._mpl_engine_key = key
             self._mpl_init = init
         assert self._mpl_init is not None
         return self._mpl_engine, self._mpl_init
+
+    def _mpl_pinner(self) -> _pinning.HostPinner | None:
+        """With ``pin_memory`` and a usable CUDA device (and not ``copy``): a pinner that
+        page-locks the region as it grows, so tensors come out of the ring pinned."""
+        if not self.pin_memory or self._mpl_copy or not torch.cuda.is_available():
+            return None
+        runtime = _pinning.cuda_runtime(torch.cuda.current_device())
+        return _pinning.HostPinner(*runtime) if runtime is not None else None
 
     # ---- mploader extras ----
 
@@ -220,6 +235,7 @@ class _RingIter(_BaseDataLoaderIter):
             engine.stop_workers()
             init.base_seed = self._base_seed
         self._engine = engine
+        self._pinned_region = loader._mpl_pinned
         self._dispatch = _Dispatch(self._num_workers, self._prefetch_factor, self._in_order)
         self._epoch = loader._mpl_next_epoch()
         self._run = engine.run(self._dispatch.tasks(self._epoch, self._sampler_iter, self._is_iterable),
@@ -247,7 +263,11 @@ class _RingIter(_BaseDataLoaderIter):
                 self._dispatch.active[wid] = False
                 continue
             self._dispatch.num_tasks[wid] -= 1
-            return unpack(payload) if packed else payload
+            data = unpack(payload) if packed else payload
+            if self._pin_memory and not self._pinned_region:
+                # No pinned region (copy=True, or an accelerator other than CUDA): pin as torch does.
+                data = torch.utils.data._utils.pin_memory.pin_memory(data, self._pin_memory_device)
+            return data
 
 
 class _Dispatch:

@@ -228,3 +228,65 @@ def test_numpy_seed_state_is_torchs():
     for _ in range(200):
         base, wid = rng.getrandbits(63), rng.randrange(64)
         assert numpy_seed_state(base, wid) == torch_worker._generate_state(base, wid)
+
+
+# ---------------------------------------------------------------------------
+# Property: any nesting of the supported leaves
+# ---------------------------------------------------------------------------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_TORCH_DTYPES = [torch.float32, torch.float64, torch.int64, torch.uint8, torch.bool, torch.bfloat16, torch.int16]
+_NP_DTYPES = [np.float32, np.int64, np.uint8, np.bool_, np.float16, np.int8]
+_shapes = st.lists(st.integers(0, 3), max_size=3).map(tuple)
+
+_leaf_schemas = st.one_of(
+    st.tuples(st.just("tensor"), _shapes, st.sampled_from(_TORCH_DTYPES), st.booleans()),
+    st.tuples(st.just("array"), _shapes, st.sampled_from(_NP_DTYPES), st.booleans()),
+    st.tuples(st.just("npscalar"), st.sampled_from([np.float32, np.int32, np.bool_, np.float64])),
+    st.tuples(st.just("py"), st.sampled_from([int, float, bool, str, bytes])),
+)
+_schemas = st.recursive(
+    _leaf_schemas,
+    lambda inner: st.one_of(
+        st.tuples(st.just("tuple"), st.lists(inner, min_size=1, max_size=3)),
+        st.tuples(st.just("list"), st.lists(inner, min_size=1, max_size=3)),
+        st.tuples(st.just("dict"), st.dictionaries(st.sampled_from("abcd"), inner, min_size=1, max_size=3)),
+        st.tuples(st.just("point"), st.tuples(inner, inner)),
+    ),
+    max_leaves=6,
+)
+
+
+def _make(schema, rng):
+    kind = schema[0]
+    if kind == "tensor":
+        _, shape, dtype, view = schema
+        base = torch.from_numpy(rng.standard_normal((4,) + shape) * 10).to(dtype)
+        return base[1] if view else base[1].clone()  # a view of a larger storage, or its own
+    if kind == "array":
+        _, shape, dtype, strided = schema
+        a = (rng.standard_normal(shape + (2,)) * 10).astype(dtype)
+        return a[..., 0] if strided else np.ascontiguousarray(a[..., 0])
+    if kind == "npscalar":
+        return schema[1](rng.standard_normal() * 10)
+    if kind == "py":
+        t = schema[1]
+        return {int: int(rng.integers(-5, 5)), float: float(rng.standard_normal()), bool: bool(rng.integers(2)),
+                str: f"s{rng.integers(9)}", bytes: b"b"}[t]
+    if kind == "tuple":
+        return tuple(_make(s, rng) for s in schema[1])
+    if kind == "list":
+        return [_make(s, rng) for s in schema[1]]
+    if kind == "dict":
+        return {k: _make(s, rng) for k, s in schema[1].items()}
+    return Point(*(_make(s, rng) for s in schema[1]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(_schemas, st.integers(1, 4), st.integers(0, 2**32 - 1))
+def test_collate_into_equals_default_collate_for_any_nesting(schema, batch_size, seed):
+    rng = np.random.default_rng(seed)
+    batch = [_make(schema, rng) for _ in range(batch_size)]
+    assert_same_batch(ours(batch), reference(batch))

@@ -496,3 +496,53 @@ def test_import_mploader_works_without_torch():
             "try:\n    import mploader.torch\nexcept ImportError:\n    print('ok')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+class Killer(Dataset):
+    """Sample 6 kills its worker (a segfault in a decoder, the OOM killer ...)."""
+
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        if i == 6:
+            import os
+            import signal
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+@needs_engine
+def test_dead_worker_raises_naming_pid_signal_and_batch(no_leaks):
+    import signal
+
+    from mploader import WorkerError
+    loader = DataLoader(Killer(), batch_size=3, num_workers=2)
+    it = iter(loader)
+    assert next(it).tolist() == [0, 1, 2]
+    assert next(it).tolist() == [3, 4, 5]
+    with pytest.raises(WorkerError) as info:
+        next(it)
+    assert isinstance(info.value, RuntimeError)
+    assert info.value.signal == signal.SIGKILL and info.value.indices == [6, 7, 8]
+    assert str(info.value.pid) in str(info.value) and "SIGKILL" in str(info.value)
+    loader.close()
+
+
+@needs_engine
+@pytest.mark.parametrize("rank", [0, 1])
+def test_distributed_sampler_equals_torch(rank, no_leaks):
+    from torch.utils.data import DistributedSampler
+    out = []
+    for cls in (TorchDataLoader, DataLoader):
+        ds = Plain()
+        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=3)
+        loader = cls(ds, batch_size=2, sampler=sampler, num_workers=2)
+        epochs = []
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            epochs.append([b.tolist() for b in loader])
+        out.append(epochs)
+        if cls is DataLoader:
+            loader.close()
+    assert out[0] == out[1]
