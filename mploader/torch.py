@@ -201,6 +201,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
+    def __getstate__(self) -> dict:
+        """Pickling (deepcopy, spawned trainers) drops the workers; the copy starts its own."""
+        state = self.__dict__.copy()
+        state.update(_iterator=None, _mpl_engine=None, _mpl_engine_key=None, _mpl_init=None, _mpl_pinned=False)
+        return state
+
     def stats(self) -> dict:
         """The engine's counters (see ``mploader.DataLoader.stats``); empty before the
         first multi-worker iteration."""

@@ -345,6 +345,17 @@ def test_is_a_torch_dataloader_and_generic():
     assert alias.__origin__ is DataLoader
 
 
+@needs_engine
+def test_a_loader_pickles_without_its_workers(no_leaks):
+    import copy
+    loader = DataLoader(Plain(), batch_size=5, num_workers=1, persistent_workers=True)
+    assert [b.tolist() for b in loader] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    clone = copy.deepcopy(loader)
+    assert clone._mpl_engine is None and [b.tolist() for b in clone] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    clone.close()
+    loader.close()
+
+
 def _warnings_of(make):
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -470,12 +481,14 @@ class Rows(Dataset):
 
 
 @needs_engine
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+@pytest.mark.parametrize("method", ["spawn", "forkserver", "fork context object"])
 def test_spawn_and_forkserver_workers(method, no_leaks):
     """The dataset travels pickled (torch's rule); batches as torch's in-process ones
     apart from the worker flag.  (Spawned children import torch: ~2 s each.)"""
+    import multiprocessing
     ref = list(TorchDataLoader(Rows(), batch_size=4))
-    loader = DataLoader(Rows(), batch_size=4, num_workers=1, multiprocessing_context=method)
+    context = multiprocessing.get_context("fork") if method == "fork context object" else method
+    loader = DataLoader(Rows(), batch_size=4, num_workers=1, multiprocessing_context=context)
     try:
         got = list(loader)
     finally:
