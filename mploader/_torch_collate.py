@@ -182,8 +182,12 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
     if isinstance(elem, (np.bool_, np.number, np.object_)):
         return _leaf_into(torch.as_tensor(batch), alloc)
     if isinstance(elem, float):
+        if all(type(v) is float for v in batch):
+            return _numbers_into(batch, np.float64, alloc)
         return _leaf_into(torch.tensor(batch, dtype=torch.float64), alloc)
     if isinstance(elem, int):
+        if all(type(v) is int for v in batch) and all(_INT64_MIN <= v <= _INT64_MAX for v in batch):
+            return _numbers_into(batch, np.int64, alloc)  # torch.tensor of ints: int64
         return _leaf_into(torch.tensor(batch), alloc)
     if isinstance(elem, (str, bytes)):
         return batch
@@ -219,25 +223,44 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
     raise TypeError(_ERR.format(elem_type))
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _numbers_into(batch: Any, dtype: Any, alloc: Alloc) -> TensorLeaf:
+    """Plain Python floats or in-range ints, written once into the slot (what
+    ``torch.tensor(batch)`` gives for them, without the temporary tensor)."""
+    out = alloc((len(batch),), dtype)
+    out[:] = batch
+    return TensorLeaf((out, None))
+
+
 def _stack_tensors(batch: Any, alloc: Alloc) -> TensorLeaf:
     elem = batch[0]
     if elem.is_nested:
         raise RuntimeError(_NESTED_MSG)
     if elem.layout in _SPARSE:
         raise RuntimeError(_SPARSE_MSG)
-    sum(x.numel() for x in batch)  # a torch worker sizes its storage so (AttributeError for non-tensors)
-    shape = elem.shape
-    if all(isinstance(x, torch.Tensor) and x.layout == torch.strided and x.device.type == "cpu"
-           and x.shape == shape for x in batch) and elem.dtype in _NP_OF:
-        # A torch worker stacks into new storage of elem's dtype (casting or refusing
-        # the others exactly as stack(out=) does); here that storage is the slot.
-        out = alloc((len(batch),) + tuple(shape), _NP_OF[elem.dtype])
-        torch.stack(batch, 0, out=torch.from_numpy(out))
+    npd = _NP_OF.get(elem.dtype)
+    if npd is not None and elem.layout == torch.strided and elem.device.type == "cpu":
+        # A torch worker stacks into new storage of elem's shape and dtype (casting or
+        # refusing the other elements exactly as stack(out=) does); here that storage
+        # is the slot.  torch.stack checks every element itself.
+        out = alloc((len(batch),) + tuple(elem.shape), npd)
+        try:
+            torch.stack(batch, 0, out=torch.from_numpy(out))
+        except TypeError:
+            _sizes(batch)
+            raise
         return TensorLeaf((out, None))
-    # Ragged shapes, mixed element types, dtypes NumPy lacks, other devices: torch's
-    # own stack (its result, or its error), then one copy into the slot.
+    # Dtypes NumPy lacks, other devices: torch's own stack, then one copy into the slot.
+    _sizes(batch)
     return _leaf_into(torch.stack(batch, 0, out=torch.empty(0, dtype=elem.dtype, device=elem.device)).cpu(),
                       alloc)
+
+
+def _sizes(batch: Any) -> int:
+    """What a torch worker computes first (AttributeError for a non-tensor element)."""
+    return sum(x.numel() for x in batch)
 
 
 def convert_into(data: Any) -> Any:
