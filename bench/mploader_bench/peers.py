@@ -18,6 +18,11 @@ batches, in the order of that list:
     Forked worker processes that collate and ``put`` each batch on one
     :class:`multiprocessing.Queue`; the parent puts it back in order by
     sequence number.
+``mploader.torch``
+    :class:`mploader.torch.DataLoader` (persistent forked workers,
+    ``prefetch_factor=2``) over the dataset in torch style (:class:`TensorSamples`:
+    samples of tensors); the batches are tensors over the slot, turned into
+    numpy arrays with ``Tensor.numpy()`` (zero-copy).
 ``torch``
     :class:`torch.utils.data.DataLoader` with persistent forked workers,
     ``prefetch_factor=2`` and its default collate; tensors are turned into
@@ -452,6 +457,71 @@ class _Torch(Transport):
         loader._iterator = None
 
 
+class TensorSamples:
+    """A numpy dataset in torch style: every array of a sample becomes a tensor
+    (``torch.from_numpy``: zero-copy; a copy for read-only arrays, which torch
+    cannot wrap).  What a PyTorch user's ``Dataset.__getitem__`` typically returns.
+
+    Parameters
+    ----------
+    dataset : map-style dataset
+        Samples that are arrays, numbers, or tuples of those.
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> Any:
+        return _to_tensors(self.dataset[i])
+
+
+def _to_tensors(sample: Any) -> Any:
+    import torch
+
+    if isinstance(sample, tuple):
+        return tuple(_to_tensors(s) for s in sample)
+    if isinstance(sample, np.ndarray):
+        return torch.from_numpy(sample if sample.flags.writeable else sample.copy())
+    return sample
+
+
+class _MPLTorch(Transport):
+    """``mploader.torch.DataLoader`` over the dataset in torch style (tensors)."""
+
+    name = "mploader.torch"
+    requires = ("torch.utils.data", "mploader.torch")
+
+    def __init__(self, dataset: Any, **kw: Any) -> None:
+        super().__init__(dataset, **kw)
+        import mploader.torch
+
+        self._sampler = _SwappableBatches()
+        if self.workers > 0:
+            factor = max(1, self.prefetch // self.workers) if self.prefetch else 2
+            extra: dict[str, Any] = dict(persistent_workers=True, prefetch_factor=factor,
+                                         multiprocessing_context="fork")
+        else:
+            extra = {}
+        self._loader: Any = mploader.torch.DataLoader(  # None once closed
+            TensorSamples(dataset), batch_sampler=self._sampler, num_workers=self.workers, **extra)
+
+    def _epoch(self, batches: list[list[int]]) -> Iterator[Any]:
+        self._sampler.batches = batches
+        for batch in self._loader:
+            out = _torch_to_numpy(batch)  # zero-copy views of the slot
+            del batch  # hold the batch (and its slot) only through `out`
+            yield out
+            del out
+
+    def _close(self) -> None:
+        loader, self._loader = getattr(self, "_loader", None), None
+        if loader is not None:
+            loader.close()
+
+
 # --------------------------------------------------------------------------
 # the registry: the order of registration is the order of every report
 
@@ -490,7 +560,7 @@ def register(cls: type[Transport]) -> type[Transport]:
     return cls
 
 
-for _cls in (_MPLoader, _Pickle, _Queue, _Torch, _Inline):
+for _cls in (_MPLoader, _MPLTorch, _Pickle, _Queue, _Torch, _Inline):
     register(_cls)
 
 
