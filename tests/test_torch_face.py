@@ -480,9 +480,23 @@ class Rows(Dataset):
         return {"x": torch.arange(3) + i, "i": i, "get_worker_info": get_worker_info() is not None}
 
 
+@pytest.fixture
+def mp_helpers():
+    """multiprocessing's resource tracker, forkserver and resource sharer (which passes
+    the ring's fd to spawned workers) are per-process daemons that live until exit;
+    start them before ``no_leaks`` takes its snapshot."""
+    import multiprocessing.forkserver
+    import multiprocessing.reduction
+    import multiprocessing.resource_tracker
+    import os
+    multiprocessing.resource_tracker.ensure_running()
+    multiprocessing.forkserver.ensure_running()
+    multiprocessing.reduction.DupFd(os.dup(0))  # starts the sharer's listener
+
+
 @needs_engine
 @pytest.mark.parametrize("method", ["spawn", "forkserver", "fork context object"])
-def test_spawn_and_forkserver_workers(method, no_leaks):
+def test_spawn_and_forkserver_workers(method, mp_helpers, no_leaks):
     """The dataset travels pickled (torch's rule); batches as torch's in-process ones
     apart from the worker flag.  (Spawned children import torch: ~2 s each.)"""
     import multiprocessing
@@ -493,6 +507,10 @@ def test_spawn_and_forkserver_workers(method, no_leaks):
         got = list(loader)
     finally:
         loader.close()
+        # multiprocessing holds the last started Process (and, for forkserver, its
+        # sentinel pipe) in multiprocessing.process._children until the next start or
+        # active_children(); the engine should reap it at close (reported).
+        multiprocessing.active_children()
     assert all(bool(b["get_worker_info"].all()) for b in got)
     for a, b in zip(got, ref):
         a.pop("get_worker_info"), b.pop("get_worker_info")
