@@ -163,13 +163,16 @@ def test_in_order_false_gives_the_same_batches(num_workers, dataset, no_leaks):
 
 @needs_engine
 @pytest.mark.parametrize("persistent", [False, True])
-def test_persistent_workers_and_epoch_seeds_equal_torch(persistent, no_leaks):
+@pytest.mark.parametrize("dataset", [Augmented, Stream], ids=["map", "iterable"])
+def test_persistent_workers_and_epoch_seeds_equal_torch(persistent, dataset, no_leaks):
     """torch draws a base seed per iterator; persistent workers keep the first one and
-    their RNG streams continue into the next epoch."""
-    theirs, ours = both(Augmented, num_workers=2, batch_size=4, persistent_workers=persistent)
+    their RNG streams continue into the next epoch (IterableDataset replicas restart
+    their iterators each epoch)."""
+    theirs, ours = both(dataset, num_workers=2, batch_size=4, persistent_workers=persistent)
     for a, b in zip(ours, theirs):
         assert_same_outcome(a, b)
-    assert not torch.equal(ours[0][0]["aug"], ours[1][0]["aug"])
+    if dataset is Augmented:
+        assert not torch.equal(ours[0][0]["aug"], ours[1][0]["aug"])
 
 
 class CountingDataset(Dataset):
