@@ -20,9 +20,11 @@ batches, in the order of that list:
     sequence number.
 ``mploader.torch``
     :class:`mploader.torch.DataLoader` (persistent forked workers,
-    ``prefetch_factor=2``) over the dataset in torch style (:class:`TensorSamples`:
-    samples of tensors); the batches are tensors over the slot, turned into
-    numpy arrays with ``Tensor.numpy()`` (zero-copy).
+    ``prefetch_factor=2``, ``default_collate``); the batches are tensors over the
+    slot, turned into numpy arrays with ``Tensor.numpy()`` (zero-copy).
+    ``mploader.torch-tensors`` and ``torch-tensors`` (opt-in, ``--transports``)
+    run the two torch loaders over the dataset in torch style
+    (:class:`TensorSamples`: samples of tensors).
 ``torch``
     :class:`torch.utils.data.DataLoader` with persistent forked workers,
     ``prefetch_factor=2`` and its default collate; tensors are turned into
@@ -424,10 +426,14 @@ class _Queue(Transport):
 class _Torch(Transport):
     name = "torch"
     requires = ("torch.utils.data",)
+    tensor_samples = False
 
     def __init__(self, dataset: Any, **kw: Any) -> None:
         super().__init__(dataset, **kw)
         import torch.utils.data
+
+        if self.tensor_samples:
+            dataset = TensorSamples(dataset)
 
         self._sampler = _SwappableBatches()
         if self.workers > 0:
@@ -489,10 +495,12 @@ def _to_tensors(sample: Any) -> Any:
 
 
 class _MPLTorch(Transport):
-    """``mploader.torch.DataLoader`` over the dataset in torch style (tensors)."""
+    """``mploader.torch.DataLoader`` (persistent forked workers, torch's default
+    ``prefetch_factor``), tensors delivered; over the numpy dataset, as ``torch``."""
 
     name = "mploader.torch"
     requires = ("torch.utils.data", "mploader.torch")
+    tensor_samples = False
 
     def __init__(self, dataset: Any, **kw: Any) -> None:
         super().__init__(dataset, **kw)
@@ -505,8 +513,10 @@ class _MPLTorch(Transport):
                                          multiprocessing_context="fork")
         else:
             extra = {}
+        if self.tensor_samples:
+            dataset = TensorSamples(dataset)
         self._loader: Any = mploader.torch.DataLoader(  # None once closed
-            TensorSamples(dataset), batch_sampler=self._sampler, num_workers=self.workers, **extra)
+            dataset, batch_sampler=self._sampler, num_workers=self.workers, **extra)
 
     def _epoch(self, batches: list[list[int]]) -> Iterator[Any]:
         self._sampler.batches = batches
@@ -520,6 +530,14 @@ class _MPLTorch(Transport):
         loader, self._loader = getattr(self, "_loader", None), None
         if loader is not None:
             loader.close()
+
+
+class _MPLTorchTensors(_MPLTorch):
+    """``mploader.torch`` over the dataset in torch style (samples of tensors); opt-in."""
+
+    name = "mploader.torch-tensors"
+    suites = ()
+    tensor_samples = True
 
 
 # --------------------------------------------------------------------------
@@ -560,7 +578,15 @@ def register(cls: type[Transport]) -> type[Transport]:
     return cls
 
 
-for _cls in (_MPLoader, _MPLTorch, _Pickle, _Queue, _Torch, _Inline):
+class _TorchTensors(_Torch):
+    """``torch`` over the dataset in torch style (samples of tensors); opt-in."""
+
+    name = "torch-tensors"
+    suites = ()
+    tensor_samples = True
+
+
+for _cls in (_MPLoader, _MPLTorch, _MPLTorchTensors, _Pickle, _Queue, _Torch, _TorchTensors, _Inline):
     register(_cls)
 
 
