@@ -2,22 +2,27 @@
 
 A worker of :class:`mploader.torch.DataLoader` must hand the engine a batch made of
 containers, plain Python values and NumPy arrays: the engine writes arrays into the
-slot and pickles the rest (docs/design.md, "Batch descriptor").  Pickling a tensor
+slot and describes the rest (docs/design.md, "Batch descriptor").  Pickling a tensor
 would pickle its whole storage -- for ``dataset.x[i]``, a view of a 100 MB tensor,
 100 MB per sample -- so no tensor may reach the engine.  Three ways a batch is built:
 
 * :func:`collate_into` computes exactly what ``torch.utils.data.default_collate``
   returns in a worker (types, dtypes, shapes, nesting), but every output tensor is
   written once, by ``torch.stack(..., out=)``, into an array that ``alloc`` handed
-  out in the slot.  Each such array travels as a :class:`TensorLeaf`, which the
-  parent's unpickler turns into ``torch.from_numpy(view)``: a zero-copy tensor over
-  the slot, whose NumPy base keeps the slot's lease alive.
-* :func:`convert_into` is ``default_convert`` (``batch_size=None``) with the same leaves.
+  out in the slot; the batch travels with NumPy arrays where torch has tensors, and
+  :func:`to_tensors` in the parent turns each into ``torch.from_numpy(view)``: a
+  zero-copy tensor over the slot, whose NumPy base keeps the slot's lease alive.
+  (``default_collate`` never returns a numeric NumPy array, so every one is a tensor.)
+* :func:`convert_into` is ``default_convert`` (``batch_size=None``) the same way.
 * :func:`pack` handles whatever a custom ``collate_fn`` returned: the object is
   pickled with every CPU tensor and plain ndarray replaced by a persistent id, and
   the arrays (only each tensor's own elements, never its storage) go to the slot
   beside the pickle; :func:`unpack` in the parent rebuilds the object with tensors
   (``torch.from_numpy``) where the worker had tensors and arrays where it had arrays.
+
+Tensors of a dtype NumPy lacks (bfloat16, complex32, float8 ...) travel as arrays
+of a one-field structured dtype named ``torch.<dtype>`` over an integer of the same
+size (:func:`raw_dtype`).
 
 Only :mod:`mploader.torch` imports this module (it imports torch).
 """
@@ -62,47 +67,37 @@ _RAW_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_TYPES_TORCH_TAKES = frozenset(_NP_OF.values())
 
 
-def _np_dtype_for(dtype: torch.dtype) -> tuple[np.dtype, str | None]:
-    """The NumPy dtype an array holding ``dtype`` elements uses, and the torch dtype
-    name to view it back as (None when NumPy has the dtype itself)."""
+_MARK = "torch."
+
+
+def raw_dtype(dtype: torch.dtype) -> np.dtype:
+    """The NumPy dtype an array holding ``dtype`` elements has in transit: NumPy's
+    own when it has one, else ``[("torch.<name>", <int of the same size>)]``."""
     npd = _NP_OF.get(dtype)
     if npd is not None:
-        return npd, None
+        return npd
     raw = _RAW_OF_SIZE.get(dtype.itemsize)
     if raw is None:
         raise TypeError(f"mploader.torch cannot place tensors of dtype {dtype} in shared memory")
-    return _NP_OF[raw], str(dtype).rpartition(".")[2]
+    return np.dtype([(_MARK + str(dtype).rpartition(".")[2], _NP_OF[raw])])
 
 
-class TensorLeaf(tuple):
-    """``(array, torch_dtype_name)``: a tensor in transit through a slot.
-
-    In the worker it holds the array (in the slot, or anywhere: the engine copies it
-    in once); unpickled in the parent it becomes ``torch.from_numpy(array)`` (viewed
-    as ``torch_dtype_name`` for dtypes NumPy lacks) -- zero-copy, kept alive by the
-    array and hence by the slot lease.  A tuple subclass so that the engine treats it
-    as structure, not as an in-band object.
-    """
-
-    __slots__ = ()
-
-    def __reduce__(self) -> tuple:
-        return (tensor_from_array, tuple(self))
+def as_tensor_view(array: np.ndarray) -> torch.Tensor:
+    """The tensor an array in transit stands for (zero-copy; parent side)."""
+    names = array.dtype.names
+    if names is None:
+        return torch.from_numpy(array)
+    return torch.from_numpy(array.view(array.dtype[0])).view(getattr(torch, names[0][len(_MARK):]))
 
 
-def tensor_from_array(array: np.ndarray, dtype_name: str | None = None, requires_grad: bool = False) -> torch.Tensor:
-    """The tensor a :class:`TensorLeaf` stands for (parent side; zero-copy)."""
-    t = torch.from_numpy(array)
-    if dtype_name is not None:
-        t = t.view(getattr(torch, dtype_name))
-    if requires_grad:
-        t.requires_grad_(True)
-    return t
+def _is_raw(dtype: np.dtype) -> bool:
+    names = dtype.names
+    return names is not None and len(names) == 1 and names[0].startswith(_MARK)
 
 
-def _array_of(t: torch.Tensor) -> tuple[np.ndarray, str | None]:
-    """A NumPy view of exactly ``t``'s elements (never its whole storage) and the dtype
-    name needed to view it back.  The engine copies the view's bytes into the slot."""
+def _array_of(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of exactly ``t``'s elements (never its whole storage), in the
+    transit dtype.  The engine copies the view's bytes into the slot."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -110,26 +105,79 @@ def _array_of(t: torch.Tensor) -> tuple[np.ndarray, str | None]:
         t = t.resolve_conj()
     if t.is_neg():
         t = t.resolve_neg()
-    npd, name = _np_dtype_for(t.dtype)
-    if name is not None:
-        t = t.view(_RAW_OF_SIZE[t.dtype.itemsize])
-    return t.numpy(), name
+    npd = raw_dtype(t.dtype)
+    if npd.names is None:
+        return t.numpy()
+    return t.view(_RAW_OF_SIZE[t.dtype.itemsize]).numpy().view(npd)
 
 
-def leaf_of_tensor(t: torch.Tensor) -> TensorLeaf:
-    """A leaf for a tensor that is not in the slot: its elements are copied in once."""
-    return TensorLeaf(_array_of(t))
+def _dest(out: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``dtype`` over ``out`` (an array of ``raw_dtype(dtype)``)."""
+    if out.dtype.names is None:
+        return torch.from_numpy(out)
+    return torch.from_numpy(out.view(out.dtype[0])).view(dtype)
 
 
-def _leaf_into(t: torch.Tensor, alloc: Alloc) -> TensorLeaf:
+def _into(t: torch.Tensor, alloc: Alloc) -> np.ndarray:
     """Copy a small, freshly computed tensor into ``alloc``'s memory."""
-    npd, name = _np_dtype_for(t.dtype)
-    out = alloc(tuple(t.shape), npd)
-    dest = torch.from_numpy(out)
-    if name is not None:
-        dest = dest.view(t.dtype)
-    dest.copy_(t)
-    return TensorLeaf((out, name))
+    out = alloc(tuple(t.shape), raw_dtype(t.dtype))
+    _dest(out, t.dtype).copy_(t)
+    return out
+
+
+def to_tensors(obj: Any) -> Any:
+    """Parent side of :func:`collate_into` / :func:`convert_into`: every array that is
+    not of a string or object dtype becomes ``torch.from_numpy`` of it (zero-copy);
+    lists and dicts are updated in place, tuples, namedtuples and other mappings and
+    sequences rebuilt as ``default_collate`` builds them; anything else is returned
+    unchanged."""
+    t = type(obj)
+    if t is np.ndarray:
+        dtype = obj.dtype
+        if dtype.names is not None:
+            return as_tensor_view(obj) if _is_raw(dtype) else obj
+        return as_tensor_view(obj) if _STR_OBJ.search(dtype.str) is None else obj
+    if t is list:
+        for i, x in enumerate(obj):
+            obj[i] = to_tensors(x)
+        return obj
+    if t is dict:
+        for k, v in obj.items():
+            obj[k] = to_tensors(v)
+        return obj
+    if t is str or t is bytes or t is int or t is float or obj is None:
+        return obj
+    if isinstance(obj, (str, bytes, np.generic)):
+        return obj
+    if isinstance(obj, tuple):
+        if hasattr(obj, "_fields"):
+            return t(*(to_tensors(x) for x in obj))
+        items = [to_tensors(x) for x in obj]
+        return tuple(items) if t is tuple else _rebuild(obj, items)
+    if isinstance(obj, collections.abc.MutableMapping):
+        for k in list(obj.keys()):
+            obj[k] = to_tensors(obj[k])
+        return obj
+    if isinstance(obj, collections.abc.Mapping):
+        values = {k: to_tensors(obj[k]) for k in obj}
+        try:
+            return t(values)
+        except TypeError:
+            return values
+    if isinstance(obj, collections.abc.MutableSequence):
+        for i in range(len(obj)):
+            obj[i] = to_tensors(obj[i])
+        return obj
+    if isinstance(obj, collections.abc.Sequence):
+        return _rebuild(obj, [to_tensors(x) for x in obj])
+    return obj
+
+
+def _rebuild(obj: Any, items: list) -> Any:
+    try:
+        return type(obj)(items)
+    except TypeError:
+        return items
 
 
 # ---------------------------------------------------------------------------
@@ -148,7 +196,8 @@ def stock_default_collate() -> bool:
 
 def collate_into(batch: Any, alloc: Alloc) -> Any:
     """``default_collate(batch)`` as a worker of torch's DataLoader computes it, with
-    every output tensor written once into ``alloc``'s memory (a :class:`TensorLeaf`).
+    every output tensor written once into ``alloc``'s memory, as an array there
+    (:func:`to_tensors` makes it a tensor in the parent).
 
     Mirrors torch 2.13's ``collate`` with ``default_collate_fn_map``: tensors are
     stacked into a tensor of the first element's dtype (what a torch worker does);
@@ -177,18 +226,18 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
                 else:
                     for i, b in enumerate(batch):
                         out[i] = b
-            return TensorLeaf((out, None))
+            return out
         return _stack_tensors([torch.as_tensor(b) for b in batch], alloc)
     if isinstance(elem, (np.bool_, np.number, np.object_)):
-        return _leaf_into(torch.as_tensor(batch), alloc)
+        return _into(torch.as_tensor(batch), alloc)
     if isinstance(elem, float):
         if all(type(v) is float for v in batch):
             return _numbers_into(batch, np.float64, alloc)
-        return _leaf_into(torch.tensor(batch, dtype=torch.float64), alloc)
+        return _into(torch.tensor(batch, dtype=torch.float64), alloc)
     if isinstance(elem, int):
         if all(type(v) is int for v in batch) and all(_INT64_MIN <= v <= _INT64_MAX for v in batch):
             return _numbers_into(batch, np.int64, alloc)  # torch.tensor of ints: int64
-        return _leaf_into(torch.tensor(batch), alloc)
+        return _into(torch.tensor(batch), alloc)
     if isinstance(elem, (str, bytes)):
         return batch
     if isinstance(elem, collections.abc.Mapping):
@@ -226,36 +275,34 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
-def _numbers_into(batch: Any, dtype: Any, alloc: Alloc) -> TensorLeaf:
+def _numbers_into(batch: Any, dtype: Any, alloc: Alloc) -> np.ndarray:
     """Plain Python floats or in-range ints, written once into the slot (what
     ``torch.tensor(batch)`` gives for them, without the temporary tensor)."""
     out = alloc((len(batch),), dtype)
     out[:] = batch
-    return TensorLeaf((out, None))
+    return out
 
 
-def _stack_tensors(batch: Any, alloc: Alloc) -> TensorLeaf:
+def _stack_tensors(batch: Any, alloc: Alloc) -> np.ndarray:
     elem = batch[0]
     if elem.is_nested:
         raise RuntimeError(_NESTED_MSG)
     if elem.layout in _SPARSE:
         raise RuntimeError(_SPARSE_MSG)
-    npd = _NP_OF.get(elem.dtype)
-    if npd is not None and elem.layout == torch.strided and elem.device.type == "cpu":
+    if elem.layout == torch.strided and elem.device.type == "cpu" and elem.dtype.itemsize in _RAW_OF_SIZE:
         # A torch worker stacks into new storage of elem's shape and dtype (casting or
         # refusing the other elements exactly as stack(out=) does); here that storage
         # is the slot.  torch.stack checks every element itself.
-        out = alloc((len(batch),) + tuple(elem.shape), npd)
+        out = alloc((len(batch),) + tuple(elem.shape), raw_dtype(elem.dtype))
         try:
-            torch.stack(batch, 0, out=torch.from_numpy(out))
+            torch.stack(batch, 0, out=_dest(out, elem.dtype))
         except TypeError:
             _sizes(batch)
             raise
-        return TensorLeaf((out, None))
-    # Dtypes NumPy lacks, other devices: torch's own stack, then one copy into the slot.
+        return out
+    # Other devices and layouts: torch's own stack, then one copy into the slot.
     _sizes(batch)
-    return _leaf_into(torch.stack(batch, 0, out=torch.empty(0, dtype=elem.dtype, device=elem.device)).cpu(),
-                      alloc)
+    return _into(torch.stack(batch, 0, out=torch.empty(0, dtype=elem.dtype, device=elem.device)).cpu(), alloc)
 
 
 def _sizes(batch: Any) -> int:
@@ -264,7 +311,7 @@ def _sizes(batch: Any) -> int:
 
 
 def convert_into(data: Any) -> Any:
-    """``default_convert(data)`` (``batch_size=None``) with tensors as leaves.
+    """``default_convert(data)`` (``batch_size=None``) with tensors as arrays.
 
     NumPy arrays (not string/object dtype) and NumPy scalars become tensors, tensors
     stay tensors; mappings, namedtuples and sequences recurse (a tuple becomes a list,
@@ -272,11 +319,11 @@ def convert_into(data: Any) -> Any:
     """
     elem_type = type(data)
     if isinstance(data, torch.Tensor):
-        return leaf_of_tensor(data)
+        return _array_of(data)
     if elem_type.__module__ == "numpy" and elem_type.__name__ not in ("str_", "string_"):
         if elem_type.__name__ == "ndarray" and _STR_OBJ.search(data.dtype.str) is not None:
             return data
-        return leaf_of_tensor(torch.as_tensor(data))
+        return _array_of(torch.as_tensor(data))
     if isinstance(data, collections.abc.Mapping):
         values = {key: convert_into(data[key]) for key in data}
         try:
@@ -322,9 +369,8 @@ class _Packer(pickle.Pickler):
                 return None  # pickled as torch pickles it
             pid = self.ids.get(id(obj))
             if pid is None:
-                arr, name = _array_of(obj)
-                self.arrays.append(arr)
-                pid = self.ids[id(obj)] = ("t", len(self.arrays) - 1, name, obj.requires_grad)
+                self.arrays.append(_array_of(obj))
+                pid = self.ids[id(obj)] = ("t", len(self.arrays) - 1, obj.requires_grad)
             return pid
         if t is np.ndarray and not obj.dtype.hasobject and obj.dtype.itemsize:
             pid = self.ids.get(id(obj))
@@ -354,7 +400,9 @@ class _Unpacker(pickle.Unpickler):
         obj = self.built.get(pid)
         if obj is None:
             if pid[0] == "t":
-                obj = tensor_from_array(self.arrays[pid[1]], pid[2], pid[3])
+                obj = as_tensor_view(self.arrays[pid[1]])
+                if pid[2]:
+                    obj.requires_grad_(True)
             else:
                 obj = self.arrays[pid[1]]
             self.built[pid] = obj

@@ -85,20 +85,8 @@ class WorkerInit:
             self.worker_init_fn(worker_id)
 
 
-class _Exhausted(tuple):
-    """What a worker returns for a task once its IterableDataset copy is exhausted."""
-
-    __slots__ = ()
-
-    def __reduce__(self) -> tuple:
-        return (_exhausted, ())
-
-
-def _exhausted() -> _Exhausted:
-    return EXHAUSTED
-
-
-EXHAUSTED = _Exhausted()
+#: What a worker's payload is (the third item of what :class:`Fetch` returns).
+ARRAYS, PACKED, EXHAUSTED = 0, 1, 2
 
 #: How a batch's samples become what the worker returns (see :class:`Fetch`).
 DEFAULT, CONVERT, CUSTOM = "default", "convert", "custom"
@@ -107,8 +95,11 @@ DEFAULT, CONVERT, CUSTOM = "default", "convert", "custom"
 class Fetch:
     """The engine's ``fetch(dataset, indices, alloc)`` for the torch face.
 
-    Returns ``(worker_id, payload, packed)``: ``packed`` says the payload is a
-    :func:`~mploader._torch_collate.pack` result (the parent unpacks it).
+    Returns ``(worker_id, payload, kind)``: ``kind`` ARRAYS -- the batch with arrays
+    where torch has tensors (the parent applies
+    :func:`~mploader._torch_collate.to_tensors`); PACKED -- a
+    :func:`~mploader._torch_collate.pack` result (the parent unpacks it); EXHAUSTED
+    -- no batch, this worker's IterableDataset replica is exhausted (payload None).
 
     For a map-style dataset ``indices`` is what the (batch) sampler yielded and the
     samples are ``dataset.__getitems__(indices)`` when the dataset has it, else
@@ -118,8 +109,8 @@ class Fetch:
     For an IterableDataset ``indices`` is ``("iter", epoch, n)``: the worker takes
     the next ``n`` samples (one sample for ``n=None``) from its own iterator over its
     copy of the dataset, a new iterator whenever ``epoch`` changes; once that
-    iterator is exhausted (or, with ``drop_last``, cannot fill a batch) the payload
-    is :data:`EXHAUSTED`, as torch's ``_IterableDatasetFetcher``.
+    iterator is exhausted (or, with ``drop_last``, cannot fill a batch) the kind is
+    EXHAUSTED, as torch's ``_IterableDatasetFetcher`` raises StopIteration.
 
     ``mode``: DEFAULT (:func:`collate_into`, or ``default_collate`` + :func:`pack`
     when ``default_collate_fn_map`` was extended), CONVERT (:func:`convert_into`),
@@ -135,23 +126,23 @@ class Fetch:
         self._iter: Any = None
         self._ended = False
 
-    def __call__(self, dataset: Any, indices: Any, alloc: Callable) -> tuple[int, Any, bool]:
+    def __call__(self, dataset: Any, indices: Any, alloc: Callable) -> tuple[int, Any, int]:
         info = _torch_worker._worker_info
         wid = info.id if info is not None else -1
         if isinstance(dataset, IterableDataset):
             data = self._next_samples(dataset, indices)
-            if data is EXHAUSTED:
-                return (wid, EXHAUSTED, False)
+            if data is _END:
+                return (wid, None, EXHAUSTED)
         elif self.auto_collation:
             getitems = getattr(dataset, "__getitems__", None)
             data = getitems(indices) if getitems else [dataset[i] for i in indices]
         else:
             data = dataset[indices]
         if self.mode == DEFAULT and stock_default_collate():
-            return (wid, collate_into(data, alloc), False)
+            return (wid, collate_into(data, alloc), ARRAYS)
         if self.mode == CONVERT:
-            return (wid, convert_into(data), False)
-        return (wid, pack(self.collate_fn(data)), True)
+            return (wid, convert_into(data), ARRAYS)
+        return (wid, pack(self.collate_fn(data)), PACKED)
 
     def _next_samples(self, dataset: Any, indices: Any) -> Any:
         _, epoch, n = indices
@@ -159,13 +150,13 @@ class Fetch:
             self._epoch, self._iter, self._ended = epoch, None, False
             self._iter = iter(dataset)
         if self._ended:
-            return EXHAUSTED
+            return _END
         if n is None:
             try:
                 return next(self._iter)
             except StopIteration:
                 self._ended = True
-                return EXHAUSTED
+                return _END
         data = []
         for _ in range(n):
             try:
@@ -174,5 +165,9 @@ class Fetch:
                 self._ended = True
                 break
         if not data or (self.drop_last and len(data) < n):
-            return EXHAUSTED
+            return _END
         return data
+
+
+#: ``_next_samples``' answer when the replica has no (full) batch left.
+_END = object()

@@ -32,8 +32,8 @@ from torch.utils.data import IterableDataset, default_collate, default_convert, 
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
 
 from . import _engine, _options, _pinning
-from ._torch_collate import unpack
-from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, Fetch, WorkerInit
+from ._torch_collate import to_tensors, unpack
+from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, PACKED, Fetch, WorkerInit
 
 __all__ = ["DataLoader", "get_worker_info", "default_collate", "default_convert"]
 
@@ -250,7 +250,7 @@ class _RingIter(_BaseDataLoaderIter):
     def _next_data(self) -> Any:
         while True:
             try:
-                wid, payload, packed = next(self._run)
+                wid, payload, kind = next(self._run)
             except StopIteration:
                 if not self._persistent_workers and self._engine is not None:
                     self._engine.stop_workers()
@@ -265,11 +265,11 @@ class _RingIter(_BaseDataLoaderIter):
                 if 0 <= wid < self._num_workers:
                     self._dispatch.num_tasks[wid] -= 1
                 raise _as_torch_error(exc, cause) from cause
-            if payload is EXHAUSTED:
+            if kind == EXHAUSTED:
                 self._dispatch.active[wid] = False
                 continue
             self._dispatch.num_tasks[wid] -= 1
-            data = unpack(payload) if packed else payload
+            data = unpack(payload) if kind == PACKED else to_tensors(payload)
             if self._pin_memory and not self._pinned_region:
                 # No pinned region (copy=True, or an accelerator other than CUDA): pin as torch does.
                 data = torch.utils.data._utils.pin_memory.pin_memory(data, self._pin_memory_device)

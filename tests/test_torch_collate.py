@@ -21,7 +21,14 @@ from torch.utils.data import default_collate, default_convert  # noqa: E402
 from torch.utils.data._utils import collate as torch_collate  # noqa: E402
 from torch.utils.data._utils import worker as torch_worker  # noqa: E402
 
-from mploader._torch_collate import TensorLeaf, collate_into, convert_into, pack, stock_default_collate, unpack  # noqa: E402
+from mploader._torch_collate import (  # noqa: E402
+    collate_into,
+    convert_into,
+    pack,
+    stock_default_collate,
+    to_tensors,
+    unpack,
+)
 from mploader._torch_worker import numpy_seed_state  # noqa: E402
 
 Point = collections.namedtuple("Point", "x y")
@@ -51,7 +58,7 @@ class RecordingAlloc:
 
 
 def through_slot(obj):
-    """What the parent gets: the engine pickles the worker's result (arrays and all)."""
+    """What the parent gets: the engine carries the worker's result (arrays and all)."""
     return pickle.loads(pickle.dumps(obj, protocol=5))
 
 
@@ -61,7 +68,7 @@ def reference(batch):
 
 
 def ours(batch):
-    return through_slot(collate_into(batch, RecordingAlloc()))
+    return to_tensors(through_slot(collate_into(batch, RecordingAlloc())))
 
 
 big = torch.arange(10_000, dtype=torch.float32).reshape(100, 100)
@@ -148,9 +155,8 @@ def test_stacked_arrays_are_written_into_alloc_memory(name):
     """Tensor and array samples are stacked straight into the array alloc handed out
     (no temporary batch), and that array is what travels."""
     alloc = RecordingAlloc()
-    leaf = collate_into(CASES[name], alloc)
-    assert isinstance(leaf, TensorLeaf)
-    assert len(alloc.arrays) == 1 and leaf[0] is alloc.arrays[0]
+    out = collate_into(CASES[name], alloc)
+    assert len(alloc.arrays) == 1 and out is alloc.arrays[0]
 
 
 def test_a_view_of_a_large_tensor_travels_as_its_own_bytes_only():
@@ -184,7 +190,7 @@ CONVERT_CASES = {
 @pytest.mark.parametrize("name", list(CONVERT_CASES))
 def test_convert_into_equals_default_convert(name):
     data = CONVERT_CASES[name]
-    assert_same_batch(through_slot(convert_into(data)), default_convert(data))
+    assert_same_batch(to_tensors(through_slot(convert_into(data))), default_convert(data))
 
 
 class Custom:
