@@ -580,3 +580,36 @@ def test_distributed_sampler_equals_torch(rank, no_leaks):
         if cls is DataLoader:
             loader.close()
     assert out[0] == out[1]
+
+
+class SlowWorkerZero(Dataset):
+    """Worker 0 takes 0.3 s per sample (a slow disk), worker 1 none."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        import time
+        info = get_worker_info()
+        if info.id == 0:
+            time.sleep(0.3)  # simulated slow I/O, not synchronisation
+        return torch.tensor([i, info.id])
+
+
+@needs_engine
+@pytest.mark.parametrize("in_order", [True, False])
+def test_in_order_false_returns_batches_as_they_complete(in_order, no_leaks):
+    """in_order=False: the fast worker's batches come first and it takes over the work
+    (never more than prefetch_factor tasks held by one worker); in_order=True: sampler
+    order, task 0 from the slow worker first."""
+    loader = DataLoader(SlowWorkerZero(), batch_size=1, num_workers=2, prefetch_factor=2, in_order=in_order)
+    try:
+        got = [b[0].tolist() for b in loader]
+    finally:
+        loader.close()
+    assert sorted(i for i, _ in got) == list(range(8))
+    if in_order:
+        assert [i for i, _ in got] == list(range(8)) and [w for _, w in got] == [0, 1] * 4
+    else:
+        assert got[0][1] == 1
+        assert sum(w == 1 for _, w in got) > sum(w == 0 for _, w in got)
