@@ -25,14 +25,18 @@ RUFF_PATHS = ["mploader/cli.py", "mploader/__main__.py", "mploader/_version.py",
               "tests/test_options.py", "tests/test_dataloader_gluon.py", "tests/test_iterators.py",
               "tests/test_sharded.py", "tests/test_batchify.py", "tests/test_sampler.py", "tests/test_core_args.py",
               "tests/test_cli.py", "tests/test_lint.py", "tests/test_bench_cli.py",
-              "tests/test_bench_data.py", "tests/test_bench_peers.py", "tests/test_bench_registry.py"]
+              "tests/test_bench_data.py", "tests/test_bench_peers.py", "tests/test_bench_registry.py",
+              "mploader/torch.py", "mploader/_torch_collate.py", "mploader/_torch_worker.py",
+              "tests/test_torch_face.py", "tests/test_torch_collate.py", "tests/test_torch_memory.py",
+              "tests/_torch_util.py"]
 #: What mypy checks; imports it follows are read but not reported on.
 MYPY_ARGS = ["--follow-imports", "silent", "mploader/cli.py", "mploader/__main__.py",
              "mploader/_options.py", "mploader/_pinning.py", "mploader/_collate.py", "mploader/dataloader.py",
              "mploader/sharded.py", "mploader/iterators.py", "mploader/_chainer_state.py", "mploader/sampler.py",
              "mploader/batchify.py", "mploader/_batchify_arrays.py",
              "mploader/_descriptor.py", "mploader/_structure.py", "mploader/_inband.py", "mploader/_sizing.py",
-             "mploader/_version.py", "bench/mploader_bench"]
+             "mploader/_version.py", "bench/mploader_bench",
+             "mploader/torch.py", "mploader/_torch_collate.py", "mploader/_torch_worker.py"]
 
 
 def _tool(module: str, *args: str) -> None:
