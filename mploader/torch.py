@@ -234,10 +234,12 @@ class _RingIter(_BaseDataLoaderIter):
 
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
-        engine, init = loader._mpl_get_engine()
-        if first_iter or not self._persistent_workers or engine is not self._engine:
+        engine = self._engine
+        if first_iter or not self._persistent_workers or engine is None or engine.closed:
             # New workers for this iterator, seeded from this iterator's base seed
-            # (torch draws one per iterator; persistent workers keep theirs).
+            # (torch draws one per iterator; persistent workers keep theirs and,
+            # as torch's, ignore later changes to the loader's attributes).
+            engine, init = loader._mpl_get_engine()
             engine.stop_workers()
             init.base_seed = self._base_seed
         self._engine = engine
