@@ -143,13 +143,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def _mpl_get_engine(self) -> tuple[_engine.Engine, WorkerInit]:
         """The loader's engine (created at the first multi-worker ``iter()``, again
         when ``num_workers``, the start method or the collate function changed)."""
-        ctx = self.multiprocessing_context
-        if ctx is None:
-            start_method = multiprocessing.get_start_method(allow_none=True) or "fork"
-        elif isinstance(ctx, str):
-            start_method = ctx
-        else:
-            start_method = ctx.get_start_method()
+        ctx = self.multiprocessing_context  # torch's setter made a name a context object
+        if ctx is None:  # torch then uses torch.multiprocessing, i.e. the default context
+            ctx = multiprocessing.get_context()
+        start_method = ctx if isinstance(ctx, str) else ctx.get_start_method()
         key = (self.num_workers, start_method, self.prefetch_factor, self.timeout, self.collate_fn,
                self.worker_init_fn, bool(self.pin_memory))
         if self._mpl_engine is None or self._mpl_engine_key != key or self._mpl_engine.closed:
