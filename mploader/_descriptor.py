@@ -112,8 +112,8 @@ class SlotWriter:
         if capacity < target:
             if region.grow(slot, target, 0):
                 self.flags |= _ring.FLAG_GROWN
-        elif sizing.should_shrink(capacity, target):
-            shrink(region, slot, target)
+        elif sizing.should_shrink(capacity, target) and region.meta(slot).grow_count:
+            shrink(region, slot, target)  # (a slot never grown keeps its configured size)
         self._map()
 
     def _map(self) -> None:

@@ -26,8 +26,10 @@ class SlotSizing:
     up to a 4 KiB page (0 before the first batch): a batch size that makes up less
     than a quarter of recent batches is an outlier and does not move it.  A slot
     smaller than the target is grown to it before collation (so a typical batch is
-    collated in place, with no second copy); a slot larger than ``shrink_factor``
-    times the target, with at least ``shrink_min_bytes`` to gain, is shrunk to it.
+    collated in place, with no second copy); a slot that was grown and is now
+    larger than ``shrink_factor`` times the target, with at least
+    ``shrink_min_bytes`` to gain, is shrunk to it (a slot never grown keeps the
+    size the loader was configured with, ``shared_mem``).
     An outlier therefore costs one grow of the slot it lands in, and its memory
     goes back the next time that slot is written.
 
@@ -86,7 +88,15 @@ def sizing_for(region: _ring.Region) -> SlotSizing:
     return sizing
 
 
-def shrink(region: _ring.Region, slot: int, target: int) -> None:
+def shrink(region: _ring.Region, slot: int, target: int) -> bool:
     """Shrink an ASSIGNED slot in place to ``target`` bytes (rounded up to a page):
-    the tail's memory goes back to the kernel, no address space is used."""
-    region.resize(slot, target)
+    the tail's memory goes back to the kernel, no address space is used.
+
+    Returns False, leaving the slot as it was, if the system refused (shrinking
+    only saves memory; the batch is written either way).
+    """
+    try:
+        region.resize(slot, target)
+    except OSError:
+        return False
+    return True

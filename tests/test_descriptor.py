@@ -686,3 +686,14 @@ def test_outlier_batch_memory_returns(num_workers):
         settled = history[k + 3 * num_slots:end]
         assert settled and max(settled) <= bound, \
             f"{max(settled)} bytes allocated after outlier {k}; typical batch {typical}, {num_slots} slots"
+
+
+def test_configured_slot_size_is_kept():
+    """Slots sized by ``shared_mem`` are not shrunk by small batches: only growth is undone."""
+    slot_bytes = 4 << 20
+    with mploader.DataLoader(Sizes(24, set(), 0, 4 << 10), batch_size=4, num_workers=1, seed=0,
+                             shared_mem=slot_bytes) as dl:
+        for batch in dl:
+            del batch
+        num_slots = dl.stats()["num_slots"]
+        assert allocated_bytes(region_of(dl)) >= num_slots * slot_bytes
