@@ -1,7 +1,6 @@
 """``mploader.DataLoader``: MXNet Gluon's DataLoader on the slot ring."""
 from __future__ import annotations
 
-import inspect
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -13,9 +12,6 @@ from .batchify import collate
 from .sampler import BatchSampler, RandomSampler, SequentialSampler
 
 _LAST_BATCH = ("keep", "discard", "rollover")
-#: Whether the engine notifies region growth (contract: ``Engine(on_grow=...)``); until
-#: it does, the face asks the pinner to look at the region after each batch.
-_ENGINE_ON_GROW = "on_grow" in inspect.signature(_engine.Engine).parameters
 
 
 class BatchifyFetch:
@@ -176,12 +172,10 @@ class DataLoader:
         self._pinner: _pinning.HostPinner | None = None
         if options.num_workers > 0 and not options.thread_pool:
             runtime = _pinning.cuda_runtime(self._pin_device_id) if self._pin_memory and not options.copy else None
-            extra: dict = {}
             if runtime is not None:
                 self._pinner = _pinning.HostPinner(*runtime)
-                if _ENGINE_ON_GROW:
-                    extra["on_grow"] = self._pinner.on_grow
-            self._engine = _engine.Engine(dataset, self._fetch, **options.engine_kwargs(), **extra)
+            on_grow = self._pinner.on_grow if self._pinner is not None else None
+            self._engine = _engine.Engine(dataset, self._fetch, on_grow=on_grow, **options.engine_kwargs())
             if self._pinner is not None:
                 weakref.finalize(self._engine, self._pinner.release)
 
@@ -208,8 +202,7 @@ class DataLoader:
                                     options.timeout_s)
         else:
             gen = _engine.InlineRun(self._dataset, self._fetch, tasks, options.base_seed)
-        polled = self._pinner if not _ENGINE_ON_GROW else None
-        return _LoaderIter(gen, len(self), self._engine, polled)
+        return _LoaderIter(gen, len(self), self._engine)
 
     def stats(self) -> dict:
         """Transport counters (ints): ``batches`` delivered; ``slot`` zero-copy through a
@@ -245,24 +238,16 @@ class DataLoader:
 class _LoaderIter:
     """One epoch of a :class:`DataLoader`; keeps the engine alive on its own."""
 
-    def __init__(self, gen: Iterator[Any], length: int, engine: Any,
-                 polled: _pinning.HostPinner | None = None) -> None:
+    def __init__(self, gen: Iterator[Any], length: int, engine: Any) -> None:
         self._gen = gen
         self._len = length
         self._engine = engine
-        # Until the engine notifies growth (on_grow), the pinner looks after each batch.
-        self._polled = polled
 
     def __iter__(self) -> _LoaderIter:
         return self
 
     def __next__(self) -> Any:
-        batch = self._gen.__next__()  # not next(): no interrupt check after a Python-level call
-        if self._polled is not None:
-            engine = self._engine
-            region = engine.region if hasattr(engine, "region") else engine._res.region
-            self._polled.on_grow(region)
-        return batch
+        return self._gen.__next__()  # not next(): no interrupt check after a Python-level call
 
     next = __next__
 

@@ -18,7 +18,9 @@ import collections
 import concurrent.futures
 import os
 import queue
+import sys
 import threading
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
@@ -27,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from . import _engine
-from ._errors import is_batch_error
 from ._chainer_state import OrderSampler, ShuffleOrderSampler, State, plan
+from ._errors import is_batch_error
 from ._options import MAX_SLOT_BYTES, LoaderOptions, check_callable, check_dataset, check_int
 
 __all__ = ["MultiprocessIterator", "OrderSampler", "ShuffleOrderSampler"]
@@ -37,13 +39,14 @@ __all__ = ["MultiprocessIterator", "OrderSampler", "ShuffleOrderSampler"]
 def _caller_stacklevel() -> int:
     """``stacklevel`` that attributes a warning issued by ``_warn_stalled`` to the first
     frame outside the mploader package (the caller of ``next()``)."""
-    import os
-    import sys
     pkg = os.path.dirname(__file__)
-    frame, level = sys._getframe(1), 2  # _on_slow is level 2 (_warn_stalled is 1)
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 2  # _on_slow is level 2 (_warn_stalled is 1)
     while frame is not None and os.path.dirname(frame.f_code.co_filename) == pkg:
         frame, level = frame.f_back, level + 1
     return level
+
+
 #: The same for the in-process path (_warn_stalled <- _InlineRun.__next__ <- __next__ <- caller).
 _INLINE_STACKLEVEL = 4
 #: Slot bytes per example beyond ``shared_mem`` (64-byte alignment, the example's

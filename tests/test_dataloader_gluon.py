@@ -21,7 +21,6 @@ from _util import arrays_in, assert_same, lease_of, mxnet_default_batchify_fn
 import mploader
 from mploader import _pinning
 from mploader import batchify as bf
-from mploader import dataloader as dl_module
 from mploader._ring import SlotLease
 
 pytestmark = pytest.mark.timeout(60)
@@ -454,8 +453,7 @@ def test_pin_memory_registers_the_region_as_it_grows(monkeypatch):
     loader = mploader.DataLoader(Growing(), 4, num_workers=2, pin_memory=True, batchify_fn=bf.List())
     try:
         for batch in loader:
-            engine = loader._engine
-            region = engine.region if hasattr(engine, "region") else engine._res.region
+            region = loader._engine.region
             registered = sum(c[2] for c in fake.calls if c[0] == "register")
             # every byte the returned batch views is registered by the time it is returned
             # (workers may have grown the region further for batches still in flight)
@@ -478,7 +476,6 @@ def test_pin_memory_registers_the_region_as_it_grows(monkeypatch):
     assert len([c for c in fake.calls if c[0] == "unregister"]) == len(starts)  # idempotent
 
 
-@pytest.mark.skipif(not dl_module._ENGINE_ON_GROW, reason="the engine does not notify region growth yet")
 def test_pinning_follows_growth_notifications_not_batches(monkeypatch):
     """The pinner runs when the engine reports that the region grew (on_grow), not
     after every batch: equal batches make the region grow a few times at most."""
@@ -496,8 +493,8 @@ def test_pinning_follows_growth_notifications_not_batches(monkeypatch):
         batches = sum(1 for _ in loader)
     assert batches == 100
     assert 1 <= len(seen) <= 20, f"{len(seen)} notifications for {batches} batches"
-    assert seen == sorted(set(seen)), "each notification reports a larger region"
-    assert len([c for c in fake.calls if c[0] == "register"]) == len(seen)
+    assert seen == sorted(set(seen)), f"each notification reports a larger region: {seen}"
+    assert len([c for c in fake.calls if c[0] == "register"]) == len(seen), (fake.calls, seen)
 
 
 def test_pin_memory_registration_failure_warns_once(monkeypatch):
