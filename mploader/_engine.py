@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from . import _ring
 from ._errors import WorkerError
@@ -69,7 +70,7 @@ class _Resources:
             self.region = None
 
 
-_LIVE: "weakref.WeakSet[_Resources]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[_Resources] = weakref.WeakSet()
 
 
 def _drop_all_in_child(keep: _Resources) -> None:

@@ -102,11 +102,12 @@ class BatchFailure:
 
     @classmethod
     def capture(cls, exc: BaseException, seq: int, indices: Any, worker_id: int,
-                stage: str = "loading") -> "BatchFailure":
+                stage: str = "loading") -> BatchFailure:
         try:
-            blob: bytes | None = pickle.dumps(exc, protocol=5)
-            pickle.loads(blob)  # some exceptions pickle but cannot be rebuilt
-        except Exception:
+            data = pickle.dumps(exc, protocol=5)
+            pickle.loads(data)  # some exceptions pickle but cannot be rebuilt
+            blob: bytes | None = data
+        except Exception:  # noqa: BLE001 - any failure means: send the type name and message
             blob = None
         return cls(blob, f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc),
                    "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
@@ -123,7 +124,7 @@ class BatchFailure:
         if self.exc_pickle is not None:
             try:
                 exc = pickle.loads(self.exc_pickle)
-            except Exception:
+            except Exception:  # noqa: BLE001 - rebuilt as a RuntimeError naming the type
                 exc = None
         if exc is None:
             exc = RuntimeError(f"{self.type_name}: {self.message}")
@@ -144,7 +145,7 @@ class ExitStatus:
     signal: int | None
 
     @classmethod
-    def from_wait_status(cls, status: int) -> "ExitStatus":
+    def from_wait_status(cls, status: int) -> ExitStatus:
         if os.WIFSIGNALED(status):
             return cls(None, os.WTERMSIG(status))
         if os.WIFEXITED(status):
@@ -152,7 +153,7 @@ class ExitStatus:
         return cls(None, None)
 
     @classmethod
-    def from_exitcode(cls, code: int | None) -> "ExitStatus":
+    def from_exitcode(cls, code: int | None) -> ExitStatus:
         """From ``multiprocessing.Process.exitcode`` (negative: killed by ``-code``)."""
         if code is None:
             return cls(None, None)

@@ -22,7 +22,8 @@ import sys
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import numpy as np
 
@@ -127,7 +128,7 @@ def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
             fork_main(spec, boot)
         child_conn.close()
         return WorkerProcess(wid, pid, parent_conn)
-    ctx = multiprocessing.get_context(start_method)
+    ctx: Any = multiprocessing.get_context(start_method)
     boot = WorkerBoot(wid, parent_pid, child_conn, region_fd=multiprocessing.reduction.DupFd(region.fd))
     proc = ctx.Process(target=spawn_main, args=(spec, boot), name=f"mploader-worker-{wid}", daemon=True)
     proc.start()
@@ -178,7 +179,7 @@ class InlineRun:
         self._seed = seed
         self._reseed = reseed_per_batch
 
-    def __iter__(self) -> "InlineRun":
+    def __iter__(self) -> InlineRun:
         return self
 
     def __next__(self) -> Any:
@@ -194,7 +195,7 @@ class InlineRun:
         finally:
             random.setstate(saved[0])
             np.random.set_state(saved[1])
-            if saved[2] is not None:
+            if torch is not None:
                 torch.random.set_rng_state(saved[2])
 
 
@@ -208,7 +209,7 @@ class _Future:
         self.cancelled = False
 
 
-def _pool_thread(jobs: "queue.SimpleQueue[Any]") -> None:
+def _pool_thread(jobs: queue.SimpleQueue[Any]) -> None:
     while True:
         job = jobs.get()
         if job is None:
@@ -248,7 +249,7 @@ class ThreadRun:
             t.start()
         self._finalizer = weakref.finalize(self, _stop_pool, self._jobs, self._pending, len(threads))
 
-    def __iter__(self) -> "ThreadRun":
+    def __iter__(self) -> ThreadRun:
         return self
 
     def __next__(self) -> Any:
@@ -276,7 +277,7 @@ class ThreadRun:
         self._finalizer()
 
 
-def _stop_pool(jobs: "queue.SimpleQueue[Any]", pending: collections.deque, nthreads: int) -> None:
+def _stop_pool(jobs: queue.SimpleQueue[Any], pending: collections.deque, nthreads: int) -> None:
     for _, fut in pending:
         fut.cancelled = True
     pending.clear()

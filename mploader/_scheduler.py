@@ -21,11 +21,12 @@ import threading
 import time
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 from . import _ring
 from ._descriptor import decode
-from ._errors import BatchFailure, WorkerError
+from ._errors import UNKNOWN_STATUS, BatchFailure, WorkerError
 from ._executors import WorkerProcess, exited, stop_workers
 from ._protocol import PIPE_HEADER, encode_retire, encode_task
 
@@ -81,7 +82,7 @@ def _take(region: Any, task: _Task, timeout_s: float) -> bool:
 class Scheduler:
     """The parent's side of the engine (see the module docstring)."""
 
-    def __init__(self, engine: "Engine") -> None:
+    def __init__(self, engine: Engine) -> None:
         # A proxy: the engine owns the scheduler, and must not be kept alive by it
         # (dropping the loader stops the workers without waiting for the cyclic GC).
         self.engine = weakref.proxy(engine)
@@ -97,7 +98,7 @@ class Scheduler:
 
     # ---- the batch loop ----
 
-    def next_batch(self, run: "Run") -> None:
+    def next_batch(self, run: Run) -> None:
         """Put the run's next batch in ``run.handoff`` (see :class:`Run`), or raise."""
         inflight = run.inflight
         while inflight and inflight[0].consumed:  # an interrupt hit after its batch was handed off
@@ -123,7 +124,7 @@ class Scheduler:
                 for t in [t for t in inflight if t.consumed]:
                     inflight.remove(t)
 
-    def _fill(self, run: "Run") -> None:
+    def _fill(self, run: Run) -> None:
         """Dispatch tasks until ``prefetch`` are in flight or the source is exhausted.
 
         Each step is split so that an interrupt (a signal handler that raises) loses
@@ -159,7 +160,7 @@ class Scheduler:
                 worker.replaced = True
                 self.res.workers.append(engine._start_worker(worker.wid))
 
-    def _dispatch(self, run: "Run", source: tuple, worker: WorkerProcess, slot: int) -> None:
+    def _dispatch(self, run: Run, source: tuple, worker: WorkerProcess, slot: int) -> None:
         """Send ``source`` (the head of ``run.pushback``) to ``worker``, in ``slot`` (E1)
         or through the pipe (slot -1).  Runs with signals deferred."""
         seq = self.seq
@@ -223,7 +224,7 @@ class Scheduler:
                     "(drop references to old batches, or pass copy=True)", RuntimeWarning, stacklevel=6)
         return slot
 
-    def _first_ready(self, run: "Run") -> _Task:
+    def _first_ready(self, run: Run) -> _Task:
         """in_order=False: the first batch in flight that is ready, waiting in short
         slices (health, timeout and close checked as for an in-order wait)."""
         region = self.res.region
@@ -266,7 +267,7 @@ class Scheduler:
                 continue
             self._check_wait(task, clock, POLL_S)
 
-    def _check_wait(self, task: _Task, clock: "_WaitClock", slice_s: float) -> None:
+    def _check_wait(self, task: _Task, clock: _WaitClock, slice_s: float) -> None:
         engine = self.engine
         waited_s = clock.tick(slice_s)
         if engine._closing:
@@ -282,7 +283,7 @@ class Scheduler:
             clock.warned = True
             engine.on_slow(task.seq, waited_s)
 
-    def _consume(self, task: _Task, run: "Run") -> None:
+    def _consume(self, task: _Task, run: Run) -> None:
         """Turn a task whose batch is there into ``run.handoff``, or raise its worker's
         exception; either way the task is marked consumed.  The batch reaches
         ``run.handoff`` before the lease leaves ``task.box`` and with no C call in
@@ -400,7 +401,7 @@ class Scheduler:
             held = self._owed(w)
         what = (f"while loading batch {held.seq} (sample indices {held.indices!r})" if held is not None
                 else "while idle")
-        status = w.status
+        status = w.status if w.status is not None else UNKNOWN_STATUS
         raise WorkerError(f"mploader worker {w.wid} (pid {w.pid}) {status.describe()} {what}", pid=w.pid,
                           exitcode=status.exitcode, signal=status.signal,
                           batch=held.seq if held else None, indices=held.indices if held else None,
@@ -559,7 +560,7 @@ class Run:
         ``__cause__`` is a :class:`~mploader._errors.WorkerTraceback`.
     """
 
-    def __init__(self, engine: "Engine", tasks: Iterable[tuple], in_order: bool) -> None:
+    def __init__(self, engine: Engine, tasks: Iterable[tuple], in_order: bool) -> None:
         self._engine = engine
         self.source: Iterator[tuple] = iter(tasks)
         self.pushback: collections.deque = collections.deque()
@@ -573,7 +574,7 @@ class Run:
         # stale, so their slots are freed as they complete.
         self._abandon = weakref.finalize(self, _abandon, weakref.ref(engine), self.inflight)
 
-    def __iter__(self) -> "Run":
+    def __iter__(self) -> Run:
         return self
 
     def __next__(self) -> Any:

@@ -198,7 +198,7 @@ def test_close_racing_next_raises_only_the_documented_error():
         run = engine.run(tasks(50))
         errors = []
 
-        def consume():
+        def consume(run=run, errors=errors):
             try:
                 for _ in run:
                     pass
@@ -218,3 +218,20 @@ def test_close_racing_next_raises_only_the_documented_error():
         assert not t.is_alive()
         assert not errors, errors
     assert outcomes["closed"] > 0
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_spawned_workers_map_the_region_and_give_the_same_batches(method):
+    """spawn/forkserver: the dataset and fetch are pickled, the region's memfd is passed
+    and attached; the batches equal the forked workers' (zero-copy views of the slot)."""
+    engine = make(start_method=method, worker_init=remember_worker)
+    try:
+        got = [b.copy() for b in engine.run(tasks(6))]
+        np.testing.assert_array_equal(np.concatenate(got)[:, 0], np.arange(12))
+        batch = next(engine.run(tasks(1)))
+        root = batch
+        while isinstance(root, np.ndarray):
+            root = root.base
+        assert type(root).__name__ == "SlotLease"
+    finally:
+        engine.close()

@@ -28,7 +28,9 @@ RUFF_PATHS = ["mploader/cli.py", "mploader/__main__.py", "mploader/_version.py",
               "tests/test_bench_data.py", "tests/test_bench_peers.py", "tests/test_bench_registry.py",
               "mploader/torch.py", "mploader/_torch_collate.py", "mploader/_torch_worker.py",
               "tests/test_torch_face.py", "tests/test_torch_collate.py", "tests/test_torch_memory.py",
-              "tests/_torch_util.py"]
+              "tests/_torch_util.py",
+              "mploader/_engine.py", "mploader/_scheduler.py", "mploader/_executors.py", "mploader/_protocol.py",
+              "mploader/_errors.py", "mploader/_worker.py", "tests/test_engine.py", "tests/test_faults.py"]
 #: What mypy checks; imports it follows are read but not reported on.
 MYPY_ARGS = ["--follow-imports", "silent", "mploader/cli.py", "mploader/__main__.py",
              "mploader/_options.py", "mploader/_pinning.py", "mploader/_collate.py", "mploader/dataloader.py",
@@ -36,7 +38,9 @@ MYPY_ARGS = ["--follow-imports", "silent", "mploader/cli.py", "mploader/__main__
              "mploader/batchify.py", "mploader/_batchify_arrays.py",
              "mploader/_descriptor.py", "mploader/_structure.py", "mploader/_inband.py", "mploader/_sizing.py",
              "mploader/_version.py", "bench/mploader_bench",
-             "mploader/torch.py", "mploader/_torch_collate.py", "mploader/_torch_worker.py"]
+             "mploader/torch.py", "mploader/_torch_collate.py", "mploader/_torch_worker.py",
+             "mploader/_engine.py", "mploader/_scheduler.py", "mploader/_executors.py", "mploader/_protocol.py",
+             "mploader/_errors.py", "mploader/_worker.py"]
 
 
 def _tool(module: str, *args: str) -> None:
