@@ -153,16 +153,26 @@ class Scheduler:
             slot = self._free_slot()
             old = _defer_signals()
             try:
-                self._dispatch(run, source, worker, slot)
+                sent = self._dispatch(run, source, worker, slot)
             finally:
                 _restore_signals(old)
+            if not sent:
+                # Its pipe is closed: the worker is gone.  If it owed nothing it is
+                # replaced (next _pick_worker) and the task goes to the new one; if it
+                # owed batches, what it published is delivered first and the health
+                # check names the batch it was loading when the loop reaches it.
+                exited([worker], 1.0)
+                worker.reap()
+                if worker.status is None or self._owed(worker) is not None:
+                    return
             if worker.retiring and not worker.replaced:
                 worker.replaced = True
                 self.res.workers.append(engine._start_worker(worker.wid))
 
-    def _dispatch(self, run: Run, source: tuple, worker: WorkerProcess, slot: int) -> None:
+    def _dispatch(self, run: Run, source: tuple, worker: WorkerProcess, slot: int) -> bool:
         """Send ``source`` (the head of ``run.pushback``) to ``worker``, in ``slot`` (E1)
-        or through the pipe (slot -1).  Runs with signals deferred."""
+        or through the pipe (slot -1); False (nothing changed) if the worker's pipe is
+        closed because it died.  Runs with signals deferred."""
         seq = self.seq
         region = self.res.region
         if slot >= 0:
@@ -175,7 +185,8 @@ class Scheduler:
         except OSError:
             if slot >= 0:
                 region.reclaim(slot)
-            self._raise_dead(worker)
+            self.seq = seq
+            return False
         run.inflight.append(task)
         worker.outstanding.append(task)
         run.pushback.popleft()
@@ -187,6 +198,7 @@ class Scheduler:
                 worker.conn.send_bytes(encode_retire())
             except OSError:
                 pass
+        return True
 
     def _pick_worker(self, pinned: int | None) -> WorkerProcess:
         """The live, non-retiring worker with the fewest batches owed (or ``pinned``)."""

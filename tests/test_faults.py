@@ -423,3 +423,22 @@ def test_script_ending_mid_epoch_prints_only_the_users_traceback():
     assert out.stderr.count("Traceback (most recent call last)") == 1, out.stderr
     assert "ValueError: the user's own error" in out.stderr
     assert "BrokenPipeError" not in out.stderr
+
+
+def test_worker_killed_while_idle_is_replaced_and_the_epoch_is_complete():
+    """Nothing in flight (prefetch=1, the batch consumed) when the worker is killed: it
+    owed nothing, so the next dispatch replaces it; the epoch is complete."""
+    run_case("""
+        import psutil
+        loader = mploader.DataLoader(Arange(64), batch_size=4, num_workers=1, prefetch=1, seed=0)
+        it = iter(loader)
+        got = firsts([next(it)])
+        victim = psutil.Process(loader.worker_pids()[0])
+        victim.kill()
+        victim.wait(10)
+        got += firsts(list(it))
+        assert got == list(range(64)), got
+        assert victim.pid not in loader.worker_pids()
+        loader.close()
+        print("OK")
+    """)
