@@ -65,6 +65,8 @@ for _name in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "fl
 #: Integer stand-ins of the same item size, for dtypes NumPy lacks (bfloat16, complex32, float8 ...).
 _RAW_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _NP_TYPES_TORCH_TAKES = frozenset(_NP_OF.values())
+#: Array types stacked with NumPy directly (memory-mapped datasets give np.memmap rows).
+_PLAIN_ARRAYS = (np.ndarray, np.memmap)
 
 
 _MARK = "torch."
@@ -216,8 +218,11 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
             raise TypeError(_ERR.format(elem.dtype))
         dtype, shape = elem.dtype, elem.shape
         if (dtype in _NP_TYPES_TORCH_TAKES and dtype.isnative
-                and all(type(b) is np.ndarray and b.dtype == dtype and b.shape == shape and b.flags.writeable
-                        for b in batch)):
+                and all(type(b) in _PLAIN_ARRAYS and b.dtype == dtype and b.shape == shape for b in batch)):
+            for b in batch:
+                if not b.flags.writeable:  # torch's own warning about it (once per process), as torch.as_tensor
+                    torch.as_tensor(b)
+                    break
             out = alloc((len(batch),) + shape, dtype)
             if out.size:
                 if shape:  # one C call: sample i lands at out[i]

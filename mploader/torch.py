@@ -14,7 +14,14 @@ its batch straight into a slot of mploader's shared-memory ring and the training
 loop receives tensors that are zero-copy views of that slot
 (``torch.from_numpy`` over the slot), kept alive by the slot's lease.
 
-This is the only module of mploader that imports torch at import time.
+This is the only module of mploader that imports torch at import time.  Besides
+torch's public API it relies on these internals (check them when supporting a new
+torch release): ``torch.utils.data.dataloader._BaseDataLoaderIter`` (and its
+``_reset``/``_next_data``/``_next_index`` hooks and attributes),
+``_SingleProcessDataLoaderIter``, ``DataLoader._get_iterator``/``_auto_collation``,
+``torch.utils.data._utils.worker._worker_info``/``WorkerInfo``,
+``torch.utils.data._utils.collate.default_collate_fn_map`` and
+``torch.utils.data._utils.pin_memory.pin_memory``.
 """
 from __future__ import annotations
 

@@ -90,6 +90,7 @@ CASES = {
     "numpy non-contiguous arrays": [np.arange(20.).reshape(4, 5)[:, ::2] for _ in range(3)],
     "numpy mixed dtypes": [np.ones(2, np.float32), np.ones(2, np.float64)],
     "numpy read-only arrays": [np.frombuffer(bytes(8), np.int32) for _ in range(2)],
+    "numpy memmap rows": list(np.memmap(__file__, np.uint8, "r", shape=(3, 16))),
     "numpy scalars float32": [np.float32(i) for i in range(4)],
     "numpy scalars int16": [np.int16(i) for i in range(4)],
     "numpy bool scalars": [np.bool_(i % 2) for i in range(4)],
