@@ -55,6 +55,15 @@ LAYOUT_VERSION = MPL_LAYOUT_VERSION
 #: State-word bit the parent sets before sleeping on a slot (docs/design.md).
 WAITER_BIT = MPL_WAITER
 cdef char *_FORMAT_B = b"B"
+# Live Region and SlotLease objects in this process (uvloop's debug counters, always
+# on: one increment per object).  Tests assert they return to their start value.
+cdef Py_ssize_t _live_regions = 0
+cdef Py_ssize_t _live_leases = 0
+
+
+def live_objects():
+    """``{"regions": n, "leases": m}``: Region and SlotLease objects alive in this process."""
+    return {"regions": _live_regions, "leases": _live_leases}
 cdef uint64_t _PAGE = 4096
 
 _FIELD_NAMES = {MPL_FIELD_KIND: "kind", MPL_FIELD_OFFSET: "offset", MPL_FIELD_CAPACITY: "capacity",

@@ -39,11 +39,15 @@ cdef class SlotLease:
         self.held = False
         self.ptr = NULL
         self.exports = 0
+        global _live_leases
+        _live_leases += 1
 
     def __init__(self, *args, **kwargs):
         raise TypeError("SlotLease objects are made by Region.wait(), not directly")
 
     def __dealloc__(self):
+        global _live_leases
+        _live_leases -= 1
         if (self.held and self.region is not None and self.region.r.base != NULL
                 and self.region.owner_pid == mpl_self_pid()):
             mpl_slot_release(&self.region.r, self.slot_)

@@ -25,12 +25,16 @@ cdef class Region:
         self.owner_pid = -1
         self.closed = True
         self.attached = False
+        global _live_regions
+        _live_regions += 1
 
     def __init__(self, *args, **kwargs):
         raise TypeError("Region objects cannot be built directly: use mploader._ring.create_region(nslots, "
                         "slot_bytes, reserve_bytes=0) or mploader._ring.attach_region(fd)")
 
     def __dealloc__(self):
+        global _live_regions
+        _live_regions -= 1
         mpl_region_unmap(&self.r)  # closes fd only when >= 0, unmaps only when mapped
 
     def __repr__(self):
@@ -45,6 +49,13 @@ cdef class Region:
         if slot >= self.r.nslots:
             raise IndexError(f"slot must be in 0..{self.r.nslots - 1}, got {slot}")
         return 0
+
+    cdef int _not_owner(self, str what, str short, str action) except -1:
+        if self.attached:
+            raise SlotStateError(f"{what}: an attached region cannot {short} (only the process that created "
+                                 f"it can)")
+        raise SlotStateError(f"{what}: this process (pid {mpl_self_pid()}) did not create the region "
+                             f"(pid {self.owner_pid}); a forked child cannot {action}")
 
     cdef int _fail(self, int rc, str what, uint32_t slot=0xffffffff) except -1:
         cdef int err = errno  # first: nothing below may clobber it before it is read
@@ -145,8 +156,14 @@ cdef class Region:
         return mpl_find_free(&self.r, start)
 
     def assign(self, uint32_t slot, uint64_t seq):
-        """Edge E1 (FREE -> ASSIGNED) for batch ``seq``.  Raises SlotStateError."""
+        """Edge E1 (FREE -> ASSIGNED) for batch ``seq``.
+
+        Raises SlotStateError if the slot is not FREE, or in any process but the
+        region's creator (a forked child would steal the parent's slots).
+        """
         self._check(slot)
+        if self.owner_pid != mpl_self_pid():
+            self._not_owner(f"assign slot {slot}", "assign slots", "assign the parent's slots")
         cdef int rc = mpl_slot_assign(&self.r, slot, seq)
         if rc != MPL_OK:
             self._fail(rc, f"assign slot {slot} (needs FREE)", slot)
@@ -187,13 +204,8 @@ cdef class Region:
             ``timeout_s`` is NaN, or ``spin_s`` is negative or NaN.
         """
         self._check(slot)
-        cdef pid_t me = mpl_self_pid()
-        if self.owner_pid != me:
-            if self.attached:
-                raise SlotStateError(f"wait slot {slot}: an attached region cannot take leases "
-                                     f"(only the process that created it can)")
-            raise SlotStateError(f"wait slot {slot}: this process (pid {me}) did not create the region "
-                                 f"(pid {self.owner_pid}); a forked child cannot take the parent's batches")
+        if self.owner_pid != mpl_self_pid():
+            self._not_owner(f"wait slot {slot}", "take leases", "take the parent's batches")
         if timeout_s != timeout_s:
             raise ValueError("timeout_s must be a number of seconds (< 0: forever), got nan")
         if not spin_s >= 0:
@@ -236,8 +248,14 @@ cdef class Region:
                         m.capacity, m.grow_count, m.offset)
 
     def reclaim(self, uint32_t slot):
-        """Edge E5 (ASSIGNED or READY -> FREE) for a batch whose worker is dead."""
+        """Edge E5 (ASSIGNED or READY -> FREE) for a batch whose worker is dead.
+
+        Raises SlotStateError if the slot is neither, or in any process but the
+        region's creator.
+        """
         self._check(slot)
+        if self.owner_pid != mpl_self_pid():
+            self._not_owner(f"reclaim slot {slot}", "reclaim slots", "reclaim the parent's slots")
         cdef int rc = mpl_slot_reclaim(&self.r, slot)
         if rc != MPL_OK:
             self._fail(rc, f"reclaim slot {slot} (needs ASSIGNED or READY)", slot)

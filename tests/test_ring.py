@@ -37,6 +37,16 @@ from mploader._ring import (
 
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
+
+@pytest.fixture(autouse=True)
+def no_live_ring_objects():
+    """Every Region and SlotLease a test makes is gone when it ends (uvloop's counters)."""
+    gc.collect()
+    before = _ring.live_objects()
+    yield
+    gc.collect()
+    assert _ring.live_objects() == before
+
 PAGE = 4096
 CHILD_TIMEOUT_S = 20
 
@@ -195,6 +205,18 @@ def test_limits_are_exported_and_enforced_at_the_edges():
     r.close()  # idempotent
 
 
+def test_live_objects_count_regions_and_leases():
+    start = _ring.live_objects()
+    r = create_region(2, PAGE)
+    publish(r, 0, 1)
+    lease = r.wait(0, 0)
+    assert _ring.live_objects() == {"regions": start["regions"] + 1, "leases": start["leases"] + 1}
+    del r  # the lease keeps its region alive
+    assert _ring.live_objects()["regions"] == start["regions"] + 1
+    del lease
+    assert _ring.live_objects() == start
+
+
 def test_numpy_integers_are_accepted():
     np = pytest.importorskip("numpy")
     r = create_region(np.int64(2), np.uint32(4096))
@@ -216,6 +238,10 @@ def test_attach_region_maps_the_same_memory_and_is_not_owner():
     a.publish(1, _ring.KIND_SLOT, 0, 5)
     with pytest.raises(SlotStateError, match="wait slot 1: an attached region cannot take leases"):
         a.wait(1, 0)
+    with pytest.raises(SlotStateError, match="assign slot 0: an attached region cannot assign slots"):
+        a.assign(0, 1)
+    with pytest.raises(SlotStateError, match="reclaim slot 1: an attached region cannot reclaim slots"):
+        a.reclaim(1)
     lease = r.wait(1, 0)
     assert bytes(lease) == b"hello" and lease.worker_pid == os.getpid()
     del lease
@@ -587,14 +613,24 @@ def test_forked_child_dropping_a_lease_does_not_free_it():
         nonlocal lease
         del lease
         gc.collect()
-        try:
-            r.wait(1, 0)
-        except SlotStateError as e:
-            return str(e)
-        return "took a lease"
+        msgs = []
+        for call in (lambda: r.wait(1, 0), lambda: r.assign(0, 9), lambda: r.reclaim(1)):
+            try:
+                call()
+            except SlotStateError as e:
+                msgs.append(str(e))
+            else:
+                msgs.append("allowed")
+        return msgs
 
-    status, msg = run_in_child(body)
-    assert status == "ok" and "did not create the region" in msg and "a forked child cannot take" in msg, msg
+    status, msgs = run_in_child(body)
+    assert status == "ok", msgs
+    me = os.getpid()
+    for msg, what, action in zip(msgs, ("wait slot 1", "assign slot 0", "reclaim slot 1"),
+                                 ("take the parent's batches", "assign the parent's slots",
+                                  "reclaim the parent's slots")):
+        assert msg.startswith(f"{what}: this process (pid ") and f"did not create the region (pid {me}); " \
+            f"a forked child cannot {action}" in msg, msg
     assert r.state(0) == _ring.STATE_LEASED and r.state(1) == _ring.STATE_READY
     del lease
     assert r.state(0) == _ring.STATE_FREE
