@@ -2,6 +2,7 @@
 shared-memory slot ring; the training loop receives zero-copy numpy views."""
 from . import batchify, sampler
 from ._collate import default_batchify
+from ._diagnose import Diagnosis, diagnose, set_postfix
 from ._engine import WorkerError
 from ._version import __version__ as __version__
 from .dataloader import DataLoader
@@ -12,6 +13,9 @@ from .sharded import ShardedDataLoader
 __all__ = [
     "DataLoader",
     "WorkerError",
+    "diagnose",
+    "Diagnosis",
+    "set_postfix",
     "default_batchify",
     "Sampler",
     "SequentialSampler",

@@ -23,6 +23,7 @@ from typing import Any
 from . import _ring
 from ._errors import WorkerError
 from ._executors import START_METHODS, InlineRun, ThreadRun, WorkerProcess, start_worker, stop_workers
+from ._metrics import BusyCells, engine_stats
 from ._scheduler import Run, Scheduler
 from ._worker import WorkerSpec
 
@@ -45,6 +46,7 @@ class _Resources:
     def __init__(self) -> None:
         self.region: Any = None
         self.workers: list[WorkerProcess] = []
+        self.busy: BusyCells | None = None    # the workers' busy counters (_metrics)
         self.owner_pid = os.getpid()
 
     def release(self, grace_s: float = CLOSE_GRACE_S) -> None:
@@ -54,6 +56,8 @@ class _Resources:
                 w.close_fds()
             return
         stop_workers(workers, grace_s)
+        if self.busy is not None:
+            self.busy.close()
         if self.region is not None:
             # Closed and dropped: the mapping goes with the last lease that holds the
             # Region (every batch still alive keeps its memory valid).
@@ -216,13 +220,16 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters: batches, slot (fast path), fallback_inband, fallback_pipe, no_free_slot,
-        grown, errors; plus num_slots and shm_bytes (bytes the region's file spans)."""
+        grown, errors; plus num_slots and shm_bytes (bytes the region's file spans);
+        plus the input-pipeline metrics of :func:`mploader._metrics.engine_stats`
+        (docs/metrics.md)."""
         counts = self._scheduler.stats
         out = {k: counts.get(k, 0) for k in
                ("batches", "slot", "fallback_inband", "fallback_pipe", "no_free_slot", "grown", "errors")}
         region = self._res.region
         out["num_slots"] = self.num_slots
         out["shm_bytes"] = region.file_bytes if region is not None else 0
+        out.update(engine_stats(self, self._scheduler.meter))
         return out
 
     def _check_usable(self) -> None:
@@ -238,6 +245,8 @@ class Engine:
         if res.region is None:
             res.region = _ring.create_region(self.num_slots, self.shared_mem or 0)
             self._scheduler.file_bytes = res.region.file_bytes
+            if self.start_method == "fork" and res.busy is None:  # spawned workers cannot inherit it
+                res.busy = self._scheduler.meter.busy = BusyCells(self.num_workers)
         self._scheduler.replace_dead()
         have = {w.wid for w in res.workers if not w.retiring}
         for wid in range(self.num_workers):
@@ -246,7 +255,12 @@ class Engine:
 
     def _start_worker(self, wid: int) -> WorkerProcess:
         res = self._res
-        return start_worker(self.spec, wid, res.region, self.start_method, lambda: _drop_all_in_child(res))
+        cell = res.busy.allocate() if res.busy is not None else -1
+        worker = start_worker(self.spec, wid, res.region, self.start_method, lambda: _drop_all_in_child(res),
+                              busy=res.busy.boot(cell) if res.busy is not None else None)
+        if res.busy is not None:
+            res.busy.own(cell, worker)
+        return worker
 
     # ---- running ----
 
@@ -264,6 +278,7 @@ class Engine:
             if previous is not None:
                 previous.abandon()
             self._ensure_workers()
+            self._scheduler.meter.begin_epoch()
             run = Run(self, tasks, in_order)
             self._current = weakref.ref(run)  # weak: a run keeps its engine alive, not the reverse
             return run

@@ -106,10 +106,11 @@ def exited(workers: list[WorkerProcess], timeout_s: float) -> list[WorkerProcess
 
 
 def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
-                 drop_in_child: Callable[[], None]) -> WorkerProcess:
+                 drop_in_child: Callable[[], None], busy: tuple | None = None) -> WorkerProcess:
     """Start worker ``wid``: ``fork`` runs :func:`fork_main` in a child of this
     process; ``spawn``/``forkserver`` start a fresh interpreter that receives ``spec``
-    pickled and the region's memfd as a passed descriptor."""
+    pickled and the region's memfd as a passed descriptor.  ``busy``: the forked
+    worker's busy-time cell (:meth:`mploader._metrics.BusyCells.boot`), or None."""
     parent_conn, child_conn = multiprocessing.Pipe(duplex=True)
     parent_pid = os.getpid()
     if start_method == "fork":
@@ -117,7 +118,7 @@ def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
             parent_conn.close()
             drop_in_child()
 
-        boot = WorkerBoot(wid, parent_pid, child_conn, region=region, drop=drop)
+        boot = WorkerBoot(wid, parent_pid, child_conn, region=region, drop=drop, busy=busy)
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()

@@ -29,6 +29,7 @@ from . import _ring
 from ._descriptor import decode
 from ._errors import UNKNOWN_STATUS, BatchFailure, WorkerError
 from ._executors import WorkerProcess, exited, stop_workers
+from ._metrics import Meter
 from ._protocol import PIPE_HEADER, encode_retire, encode_task
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ class Scheduler:
         self.warned_full = False
         self.file_bytes = 0
         self.stats: collections.Counter = collections.Counter()
+        self.meter = Meter()         # input-pipeline metrics (_metrics; Run.__next__ times the waits)
 
     # ---- the batch loop ----
 
@@ -320,6 +322,7 @@ class Scheduler:
         if lease.flags & _ring.FLAG_GROWN:
             self.stats["grown"] += 1
             self._note_growth()
+        nbytes = lease.nbytes
         old = _defer_signals()
         try:
             if lease.kind == _ring.KIND_ERROR:
@@ -329,6 +332,9 @@ class Scheduler:
             run.handoff = decode(lease, lease.desc_off, lease.desc_len, self.engine.copy)
             task.consumed = True
             task.box.clear()
+            meter = self.meter
+            meter.batches += 1
+            meter.bytes += nbytes
         except Exception as exc:  # a worker's exception, or a corrupt descriptor: the batch is used up
             task.consumed = True
             task.box.clear()
@@ -347,6 +353,9 @@ class Scheduler:
             self.stats["errors"] += 1
             raise _failure_exception(obj)
         self.stats["fallback_pipe"] += 1
+        meter = self.meter
+        meter.batches += 1
+        meter.bytes += len(msg) - PIPE_HEADER.size
         return obj
 
     def _note_growth(self) -> None:
@@ -549,6 +558,7 @@ _sigmask = _signal.pthread_sigmask
 
 
 _MAIN = threading.main_thread()
+_now_ns = time.monotonic_ns
 
 
 def _failure_exception(failure: Any) -> BaseException:
@@ -588,6 +598,7 @@ class Run:
         self.exhausted = False
         self.done = False
         self.superseded = False
+        self._meter = engine._scheduler.meter
         # A run dropped mid-epoch hands its batches in flight to the scheduler as
         # stale, so their slots are freed as they complete.
         self._abandon = weakref.finalize(self, _abandon, weakref.ref(engine), self.inflight)
@@ -600,11 +611,23 @@ class Run:
             raise RuntimeError("this iterator was superseded by a newer iteration of the same loader")
         if self.done:
             raise StopIteration
+        meter = self._meter
+        t0 = _now_ns()
+        if t0 >= meter.tick_ns:  # the run's first call, a window mark, a periodic report
+            meter.tick(t0, self._engine._scheduler.stats)
         try:
             self._engine._next_batch(self)
         except StopIteration:
             self.done = True
+            meter.finish(_now_ns())
             raise
+        finally:
+            # Before the handoff is read: an interrupt here leaves the batch in the run.
+            t1 = _now_ns()
+            meter.wait_ns += t1 - t0
+            meter.last_ns = t1
+            if not meter.first_batch_ns:
+                meter.first_batch_ns = t1 - t0
         # Taken with no C call between the read and the return: an interrupt cannot
         # land after the batch left the run and before the caller has it.
         batch = self.handoff

@@ -25,6 +25,7 @@ import numpy as np
 from . import _ring
 from ._descriptor import SlotWriter
 from ._errors import BatchFailure
+from ._metrics import WorkerBusy
 from ._protocol import PIPE_HEADER, TaskReader, decode_task
 
 _MASK64 = (1 << 64) - 1
@@ -75,6 +76,7 @@ class WorkerBoot:
     region_fd: Any = None                        # spawn: a DupFd of the region's memfd
     region: Any = None                           # fork: the inherited Region
     drop: Callable[[], None] | None = None       # fork: closes what this child must not hold
+    busy: tuple | None = None                    # fork: its busy-time cell (mploader._metrics)
 
 
 def _fresh_std_streams() -> None:
@@ -163,6 +165,7 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
     send = conn.send_bytes
     dataset, fetch, base_seed, reseed = spec.dataset, spec.fetch, spec.seed, spec.reseed_per_batch
     wid = boot.worker_id
+    meter = WorkerBusy(boot.busy) if boot.busy is not None else None
     while True:
         try:
             msg = reader.next()
@@ -171,6 +174,8 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
         task = decode_task(memoryview(msg))
         if task is None:  # RETIRE
             return
+        if meter is not None:
+            meter.start()  # busy from here to the batch's publication (docs/metrics.md)
         seq, slot = task.seq, task.slot
         if reseed:
             seed_rngs(batch_seed(base_seed, task.epoch, task.batch_index))
@@ -198,6 +203,8 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
             failure = BatchFailure.capture(exc, seq, task.indices, wid,
                                            stage="serialising (the batch could not be serialised)")
             _deliver(send, writer, seq, _ring.KIND_ERROR, failure)
+        if meter is not None:
+            meter.stop()
         del batch, writer, alloc
 
 

@@ -5,7 +5,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from . import _engine, _pinning
+from . import _diagnose, _engine, _metrics, _pinning
 from ._collate import Alloc, collate_gluon
 from ._options import LoaderOptions, check_callable, check_choice, check_dataset, check_int
 from .batchify import collate
@@ -211,11 +211,44 @@ class DataLoader:
         worker's pipe; ``no_free_slot`` dispatched while every slot was held; ``grown``
         batches for which a slot grew (with ``shared_mem=None`` slots start empty, so each
         slot's first batch counts); ``errors`` re-raised worker exceptions;
-        ``num_slots``; ``shm_bytes`` (bytes of shared memory the ring spans)."""
+        ``num_slots``; ``shm_bytes`` (bytes of shared memory the ring spans).
+
+        Input-pipeline metrics of the current epoch (docs/metrics.md; zero without
+        worker processes): ``wait_s`` (float, seconds the caller was blocked in
+        ``next()``), ``wall_s`` (seconds since the epoch's first batch was requested,
+        until its StopIteration), ``first_batch_s``, ``epoch_batches``,
+        ``epoch_no_free_slot``, ``epoch_fallback_pipe``; ``batches_per_s`` and
+        ``bytes_per_s`` over the last ~10 s; ``worker_busy`` (list of float in [0, 1]
+        per worker id, the fraction of the epoch it spent on tasks; None where not
+        measured); ``ready_batches`` (published, waiting to be returned) and
+        ``held_slots`` (slots held by batches the caller still refers to).
+        :func:`mploader.diagnose` turns them into a verdict."""
         if self._engine is None:
-            return {"batches": 0, "slot": 0, "fallback_inband": 0, "fallback_pipe": 0, "no_free_slot": 0,
-                    "grown": 0, "errors": 0, "num_slots": 0, "shm_bytes": 0}
+            out = {"batches": 0, "slot": 0, "fallback_inband": 0, "fallback_pipe": 0, "no_free_slot": 0,
+                   "grown": 0, "errors": 0, "num_slots": 0, "shm_bytes": 0}
+            out.update(_metrics.empty_stats())
+            return out
         return self._engine.stats()
+
+    def log_stats_every(self, seconds: float | None, logger: Any = None) -> None:
+        """Log :meth:`stats` and :func:`mploader.diagnose`'s verdict at INFO level on
+        ``logger`` (default ``logging.getLogger("mploader")``), from the first ``next()``
+        after every ``seconds`` seconds; None or 0 stops.  No thread is started: a loop
+        that does not call ``next()`` is not reported on.
+
+        Raises
+        ------
+        ValueError
+            ``seconds`` is negative or NaN, or the loader has no worker processes
+            (``num_workers=0`` or ``thread_pool=True``: nothing is measured).
+        TypeError
+            ``seconds`` is not a number, or ``logger`` not a ``logging.Logger``.
+        """
+        if self._engine is None:
+            raise ValueError("log_stats_every needs worker processes (num_workers > 0 and thread_pool=False); "
+                             f"this loader has num_workers={self._options.num_workers}, "
+                             f"thread_pool={self._options.thread_pool}")
+        _diagnose.log_stats_every(self._engine, seconds, logger)
 
     def worker_pids(self) -> list[int]:
         """Process ids of the live workers (empty before the first iteration)."""

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _engine
+from . import _diagnose, _engine, _metrics
 from ._chainer_state import OrderSampler, ShuffleOrderSampler, State, plan
 from ._errors import is_batch_error
 from ._options import MAX_SLOT_BYTES, LoaderOptions, check_callable, check_dataset, check_int
@@ -327,6 +327,7 @@ class MultiprocessIterator:
         self._engine: _engine.Engine | None = None
         self._inline_loader: _InlineLoader | None = None
         self._run: _Run | None = None
+        self._report: tuple | None = None  # log_stats_every's (seconds, logger), for the engine to come
         self._finalized = False
         self._state = State(0, 0, False, None)
         self._previous_epoch_detail = -1.0
@@ -423,6 +424,8 @@ class MultiprocessIterator:
                     # The engine and its current run refer to each other; stop the
                     # workers as soon as this iterator is gone, not at the next cyclic GC.
                     weakref.finalize(self, self._engine.close)
+                    if self._report is not None:
+                        _diagnose.log_stats_every(self._engine, *self._report)
                 engine = self._engine
             batches = engine.run(tasks)
         self._run = _Run(batches, states, failure)
@@ -475,6 +478,39 @@ class MultiprocessIterator:
 
     def __iter__(self) -> MultiprocessIterator:
         return self
+
+    # ---- metrics ----
+
+    def stats(self) -> dict:
+        """Transport counters and input-pipeline metrics, as
+        :meth:`mploader.DataLoader.stats` (docs/metrics.md); the "epoch" of the
+        metrics is the current run: since the first ``next()`` after construction,
+        ``reset()`` or a restored state (``repeat=True`` runs through epochs).  Zeros
+        before the first batch and with ``n_processes=0``."""
+        engine = self._engine
+        if engine is None:
+            out = {"batches": 0, "slot": 0, "fallback_inband": 0, "fallback_pipe": 0, "no_free_slot": 0,
+                   "grown": 0, "errors": 0, "num_slots": 0, "shm_bytes": 0}
+            out.update(_metrics.empty_stats())
+            return out
+        return engine.stats()
+
+    def log_stats_every(self, seconds: float | None, logger: Any = None) -> None:
+        """As :meth:`mploader.DataLoader.log_stats_every`.
+
+        Raises
+        ------
+        ValueError
+            ``seconds`` is negative or NaN, or ``n_processes=0``.
+        TypeError
+            ``seconds`` is not a number, or ``logger`` not a ``logging.Logger``.
+        """
+        if self.n_processes == 0:
+            raise ValueError("log_stats_every needs worker processes, got n_processes=0")
+        _diagnose.check_report(seconds, logger)
+        self._report = (seconds, logger)
+        if self._engine is not None:
+            _diagnose.log_stats_every(self._engine, seconds, logger)
 
     # ---- lifecycle ----
 

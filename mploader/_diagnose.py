@@ -1,0 +1,239 @@
+"""Is the training loop waiting for data?  ``mploader.diagnose`` and its reports.
+
+:func:`diagnose` reads a loader's ``stats()`` (docs/metrics.md) and names the
+bottleneck of the current epoch; :func:`log_stats_every` emits the numbers and the
+verdict through :mod:`logging` every N seconds; :func:`set_postfix` puts them into
+a tqdm progress bar.  Nothing here imports tqdm.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ._options import check_seconds
+
+__all__ = ["Diagnosis", "diagnose", "format_stats", "postfix", "set_postfix", "log_stats_every",
+           "KINDS", "MIN_BATCHES", "INPUT_WAIT", "BUSY_WORKERS", "TRANSPORT_FALLBACK"]
+
+KINDS = ("input-bound", "compute-bound", "transport-bound", "unknown")
+#: Batches of the epoch needed for a verdict (the first one is start-up, not steady state).
+MIN_BATCHES = 8
+#: Steady-state fraction of the time the loop waits in ``next()`` from which loading
+#: is a bottleneck (below it, the loop computes at least 90 % of the time).
+INPUT_WAIT = 0.10
+#: Mean worker busy fraction from which a waiting loop is blamed on the workers
+#: (below it the workers idle while the loop waits: the batches are slow in transit).
+BUSY_WORKERS = 0.5
+#: Fraction of the epoch's batches dispatched while every slot was held (they travel
+#: pickled through a pipe) from which the loop is transport-bound.
+TRANSPORT_FALLBACK = 0.05
+
+_LOG = logging.getLogger("mploader")
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    """The verdict of :func:`diagnose`; ``str()`` is ``message``.
+
+    Attributes
+    ----------
+    kind : str
+        ``"input-bound"`` (the loop waits for the workers), ``"compute-bound"`` (it
+        rarely waits), ``"transport-bound"`` (batches are slow in transit: every slot
+        held, or workers idle while the loop waits) or ``"unknown"`` (fewer than
+        ``MIN_BATCHES`` batches in the epoch, or no worker processes).
+    message : str
+        One sentence that starts with ``kind`` and says what to do.
+    wait_fraction : float or None
+        Steady-state fraction of the epoch's wall time spent blocked in ``next()``
+        (the first batch, which includes worker start-up, left out); None if unknown.
+    worker_busy : float or None
+        Mean busy fraction of the workers over the epoch; None if not measured
+        (spawned workers, no workers).
+    fallback_fraction : float or None
+        Fraction of the epoch's batches dispatched while every slot was held.
+    """
+
+    kind: str
+    message: str
+    wait_fraction: float | None = None
+    worker_busy: float | None = None
+    fallback_fraction: float | None = None
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _pct(x: float) -> str:
+    return f"{x * 100:.0f} %"
+
+
+def _stats_of(loader: Any) -> Mapping[str, Any]:
+    if isinstance(loader, Mapping):
+        return loader
+    stats = getattr(loader, "stats", None)
+    if not callable(stats):
+        raise TypeError(f"loader must be an mploader loader (with a stats() method) or its stats() dict, "
+                        f"got {type(loader).__name__}")
+    return stats()
+
+
+def diagnose(loader: Any) -> Diagnosis:
+    """Name the bottleneck of the current epoch of ``loader``.
+
+    Parameters
+    ----------
+    loader : mploader loader or dict
+        Any face with ``stats()`` (``DataLoader``, ``ShardedDataLoader``,
+        ``MultiprocessIterator``, ``mploader.torch.DataLoader``), or a dict that
+        ``stats()`` returned.
+
+    Returns
+    -------
+    Diagnosis
+        ``kind`` and a one-sentence ``message`` (also ``str()`` of the result).  The
+        rules, in order: fewer than ``MIN_BATCHES`` batches -> unknown; at least
+        ``TRANSPORT_FALLBACK`` of the batches dispatched with every slot held ->
+        transport-bound; the loop waited at least ``INPUT_WAIT`` of the steady-state
+        time (after the first batch) -> input-bound if the workers were at least
+        ``BUSY_WORKERS`` busy (or busy time is not measured), transport-bound if they
+        idled; otherwise compute-bound.
+
+    Raises
+    ------
+    TypeError
+        ``loader`` has no ``stats()`` method and is not a dict.
+    """
+    s = _stats_of(loader)
+    n = int(s.get("epoch_batches", 0))
+    if n < MIN_BATCHES:
+        return Diagnosis("unknown", f"unknown: {n} batches measured in this epoch, {MIN_BATCHES} needed "
+                                    "(metrics are kept only for loaders with worker processes)")
+    full = int(s.get("epoch_no_free_slot", 0)) / n
+    busy_list = [b for b in s.get("worker_busy", []) if b is not None]
+    busy = sum(busy_list) / len(busy_list) if busy_list else None
+    wall = float(s["wall_s"]) - float(s.get("first_batch_s", 0.0))
+    wait = float(s["wait_s"]) - float(s.get("first_batch_s", 0.0))
+    frac = min(1.0, max(0.0, wait / wall)) if wall > 0 else None
+    if full >= TRANSPORT_FALLBACK:
+        return Diagnosis("transport-bound", f"transport-bound: {_pct(full)} of batches fell back to pickle because "
+                                            "every slot was held; drop references to old batches or pass copy=True",
+                         frac, busy, full)
+    if frac is None:
+        return Diagnosis("unknown", "unknown: the epoch's wall time is not measured yet", None, busy, full)
+    if frac >= INPUT_WAIT:
+        workers = len(s.get("worker_busy", [])) or "the"
+        if busy is None:
+            return Diagnosis("input-bound", f"input-bound: the loop waited {_pct(frac)} of the time (worker busy time "
+                                            "is not measured for spawned workers); add workers or make "
+                                            "`__getitem__` cheaper", frac, busy, full)
+        if busy >= BUSY_WORKERS:
+            return Diagnosis("input-bound", f"input-bound: the loop waited {_pct(frac)} of the time while the "
+                                            f"{workers} workers were {_pct(busy)} busy; add workers or make "
+                                            "`__getitem__` cheaper", frac, busy, full)
+        pipe = int(s.get("epoch_fallback_pipe", 0)) / n
+        return Diagnosis("transport-bound", f"transport-bound: the loop waited {_pct(frac)} of the time while the "
+                                            f"{workers} workers were only {_pct(busy)} busy ({_pct(pipe)} of batches "
+                                            "came through a pipe); raise prefetch, or return arrays instead of "
+                                            "Python objects", frac, busy, full)
+    return Diagnosis("compute-bound", f"compute-bound: the loop waited {_pct(frac)} of the time; loading is not "
+                                      "the bottleneck", frac, busy, full)
+
+
+def _rate(x: float, unit: str) -> str:
+    for prefix in ("", "k", "M", "G"):
+        if abs(x) < 1000 or prefix == "G":
+            return f"{x:.1f} {prefix}{unit}"
+        x /= 1000
+    return f"{x:.1f} {unit}"  # pragma: no cover
+
+
+def format_stats(stats: Mapping[str, Any]) -> str:
+    """One line: rates, wait, worker busy, ring occupancy, fallbacks, and the verdict."""
+    busy = [b for b in stats.get("worker_busy", []) if b is not None]
+    busy_text = " ".join(f"{b * 100:.0f}" for b in busy) + " % busy" if busy else "busy unknown"
+    wall = float(stats.get("wall_s", 0.0))
+    wait = float(stats.get("wait_s", 0.0))
+    return (f"{_rate(float(stats.get('batches_per_s', 0.0)), 'batches/s')}, "
+            f"{_rate(float(stats.get('bytes_per_s', 0.0)), 'B/s')}; "
+            f"waited {wait:.1f} s of {wall:.1f} s; workers {busy_text}; "
+            f"{stats.get('ready_batches', 0)} ready, {stats.get('held_slots', 0)} held; "
+            f"pipe {stats.get('fallback_pipe', 0)}, in-band {stats.get('fallback_inband', 0)}, "
+            f"no free slot {stats.get('no_free_slot', 0)} -- {diagnose(stats).message}")
+
+
+def postfix(loader: Any) -> dict[str, str]:
+    """The key numbers as short strings, for ``tqdm.set_postfix``: ``wait`` (the
+    fraction of the epoch blocked in ``next()``), ``busy`` (mean worker busy
+    fraction), ``batch/s`` (recent rate) and ``verdict`` (:func:`diagnose`'s kind)."""
+    s = _stats_of(loader)
+    wall = float(s.get("wall_s", 0.0))
+    busy = [b for b in s.get("worker_busy", []) if b is not None]
+    return {"wait": _pct(float(s.get("wait_s", 0.0)) / wall) if wall > 0 else "-",
+            "busy": _pct(sum(busy) / len(busy)) if busy else "-",
+            "batch/s": f"{float(s.get('batches_per_s', 0.0)):.1f}",
+            "verdict": diagnose(s).kind}
+
+
+def set_postfix(bar: Any, loader: Any, refresh: bool = False) -> dict[str, str]:
+    """Put :func:`postfix` of ``loader`` into the tqdm progress bar ``bar``
+    (``bar.set_postfix(..., refresh=refresh)``) and return it.  Call it every few
+    batches (it reads the ring's state words: microseconds, not nanoseconds).
+
+    Raises
+    ------
+    TypeError
+        ``bar`` has no ``set_postfix`` method.
+    """
+    if not callable(getattr(bar, "set_postfix", None)):
+        raise TypeError(f"bar must be a tqdm progress bar (with set_postfix), got {type(bar).__name__}")
+    values = postfix(loader)
+    bar.set_postfix(values, refresh=refresh)
+    return values
+
+
+class _Report:
+    """The periodic report: ``logger.info`` of :func:`format_stats` of the engine's stats."""
+
+    __slots__ = ("engine", "logger")
+
+    def __init__(self, engine: Any, logger: logging.Logger) -> None:
+        self.engine = weakref.ref(engine)
+        self.logger = logger
+
+    def __call__(self) -> None:
+        engine = self.engine()
+        if engine is not None and not engine.closed and self.logger.isEnabledFor(logging.INFO):
+            self.logger.info("mploader: %s", format_stats(engine.stats()))
+
+
+def check_report(seconds: Any, logger: Any) -> float | None:
+    """Validate :func:`log_stats_every`'s arguments; returns the seconds."""
+    every = check_seconds("seconds", seconds)
+    if logger is not None and not isinstance(logger, logging.Logger):
+        raise TypeError(f"logger must be a logging.Logger or None, got {logger!r} ({type(logger).__name__})")
+    return every
+
+
+def log_stats_every(engine: Any, seconds: float | None, logger: logging.Logger | None = None) -> None:
+    """Emit ``format_stats`` of ``engine`` at INFO level on ``logger`` (default: the
+    ``"mploader"`` logger) at the first ``next()`` after every ``seconds`` seconds;
+    None or 0 stops the reports.
+
+    Raises
+    ------
+    TypeError
+        ``seconds`` is not a number, or ``logger`` is not a ``logging.Logger``.
+    ValueError
+        ``seconds`` is negative or NaN.
+    """
+    every = check_report(seconds, logger)
+    meter = engine._scheduler.meter
+    if not every or math.isinf(every):
+        meter.set_report(None, 0.0)
+        return
+    meter.set_report(_Report(engine, logger or _LOG), every)
