@@ -2,23 +2,25 @@
 
 Two sides of the ring are measured (docs/metrics.md has the table of keys):
 
-* the parent's :class:`Meter` -- one per engine, updated by ``Run.__next__`` (one
-  ``time.monotonic_ns()`` pair around the blocking part of ``next()``) and by the
-  scheduler's ``_consume`` (two integer increments per batch).  Counters live in
-  slots; rates, fractions and occupancy are computed only when :func:`engine_stats`
-  is called.  ``wait``/``wall`` and the per-epoch counters restart with every run
-  (one epoch for the Gluon and torch faces);
-* the workers' :class:`BusyCells` -- a small shared array of ``(busy_ns, start_ns)``
-  int64 pairs, one cell per worker process, in an anonymous ``MAP_SHARED`` mapping
+* the parent's :class:`Meter` -- one per engine.  Per batch, ``Run.__next__`` reads
+  the clock twice around the blocking part of ``next()`` and adds the difference to
+  ``wait``, and the scheduler's ``_consume`` adds the batch's bytes to ``bytes``;
+  nothing else.  Window marks, the epoch's start and the periodic report happen in
+  :meth:`Meter.tick`, at most every MARK_S; rates, fractions and occupancy are
+  computed only when :func:`engine_stats` is called.  ``wait``/``wall`` and the
+  per-epoch counters restart with every run (one epoch for the Gluon and torch
+  faces).  bench/metrics_cost.py measures the cost;
+* the workers' :class:`BusyCells` -- a small shared array of ``(busy, start)``
+  float64 pairs, one cell per worker process, in an anonymous ``MAP_SHARED`` mapping
   created in the parent before the workers fork (they inherit it; no descriptor is
-  involved).  A worker stores ``start_ns`` when a task arrives and adds the task's
-  duration to ``busy_ns`` after publishing it: two plain stores into memory it
+  involved).  A worker stores ``start`` when a task arrives and adds the task's
+  duration to ``busy`` after publishing its batch: plain stores into memory it
   already maps, no system call.  Spawned/forkserver workers do not inherit the
   mapping: their busy fraction is reported as None (unknown).
 
-Clocks: ``time.monotonic_ns()`` is ``CLOCK_MONOTONIC`` on Linux, one clock for every
-process of the machine, so a worker's ``start_ns`` can be compared with the
-parent's now.
+Clock: ``time.monotonic()`` is ``CLOCK_MONOTONIC`` on Linux, one clock for every
+process of the machine, so a worker's ``start`` can be compared with the parent's
+now.  (It is also cheaper than ``monotonic_ns()``, whose large ints are allocated.)
 """
 from __future__ import annotations
 
@@ -34,17 +36,17 @@ if TYPE_CHECKING:
 
 __all__ = ["Meter", "BusyCells", "WorkerBusy", "engine_stats", "empty_stats", "METRIC_KEYS"]
 
-_now = time.monotonic_ns
+_now = time.monotonic
 
-#: A window mark is taken at most this often (ns), at the start of a ``next()``.
-MARK_NS = 500_000_000
-#: Rates (``batches_per_s``, ``bytes_per_s``) cover about this much recent time (ns).
-WINDOW_NS = 10_000_000_000
-_MARKS = WINDOW_NS // MARK_NS + 2
+#: A window mark is taken at most this often (s), at the start of a ``next()``.
+MARK_S = 0.5
+#: Rates (``batches_per_s``, ``bytes_per_s``) cover about this much recent time (s).
+WINDOW_S = 10.0
+_MARKS = int(WINDOW_S / MARK_S) + 2
 
-#: One cell: busy_ns (total nanoseconds spent on tasks), start_ns (when the task in
-#: progress began; 0 when idle).
-_CELL = struct.Struct("<qq")
+#: One cell, two float64: busy (total seconds spent on tasks), start (``monotonic()``
+#: when the task in progress began; 0.0 when idle).  Each is one aligned 8-byte store.
+_CELL = struct.Struct("<dd")
 
 #: The keys every face's ``stats()`` adds to the transport counters (docs/metrics.md).
 METRIC_KEYS = ("wait_s", "wall_s", "first_batch_s", "epoch_batches", "epoch_no_free_slot", "epoch_fallback_pipe",
@@ -54,78 +56,80 @@ METRIC_KEYS = ("wait_s", "wall_s", "first_batch_s", "epoch_batches", "epoch_no_f
 class Meter:
     """The parent's counters of one engine (see the module docstring).
 
-    Written only by the thread that iterates (under the engine's lock, or in
-    ``Run.__next__`` around it); :func:`engine_stats` may read them from any thread
-    (a reading racing an update is off by one batch, never inconsistent in type).
+    Per batch, ``Run.__next__`` adds the time it blocked to ``wait`` and the
+    scheduler adds the batch's bytes to ``bytes``; everything else happens in
+    :meth:`tick` (at most every MARK_S, at the start of a ``next()``) or when stats
+    are read.  Written only by the thread that iterates; :func:`engine_stats` may
+    read from any thread (a reading racing an update is off by one batch).
     """
 
-    __slots__ = ("wait_ns", "first_ns", "first_batch_ns", "end_ns", "last_ns", "batches", "bytes", "base_batches",
-                 "base_counts", "tick_ns", "marks", "busy", "busy_base", "busy_end", "report", "report_ns",
-                 "report_every_ns")
+    __slots__ = ("wait", "first", "first_batch", "ticks", "end", "bytes", "base_counts", "tick_at", "marks",
+                 "busy", "busy_base", "busy_end", "report", "report_at", "report_every")
 
     def __init__(self) -> None:
-        self.batches = 0             # batches delivered since the engine was made
-        self.bytes = 0               # their slot bytes (``lease.nbytes``) or pipe message bytes
-        self.marks: collections.deque = collections.deque(maxlen=_MARKS)  # (t_ns, batches, bytes)
+        self.bytes = 0               # slot bytes (``lease.nbytes``) or pipe message bytes delivered, all runs
+        self.marks: collections.deque = collections.deque(maxlen=_MARKS)  # (t, batches, bytes)
         self.busy: BusyCells | None = None
         self.report: Callable[[], None] | None = None   # the periodic logging report
-        self.report_ns = 0
-        self.report_every_ns = 0
+        self.report_at = 0.0
+        self.report_every = 0.0
         self.begin_epoch()
 
     def begin_epoch(self) -> None:
         """A new run: ``wait``/``wall`` and the epoch counters restart at its first ``next()``."""
-        self.wait_ns = 0
-        self.first_ns = 0            # when the first batch of the run was requested
-        self.first_batch_ns = 0      # how long that first request took
-        self.end_ns = 0              # when the run ended (StopIteration); 0 while it goes on
-        self.last_ns = 0             # when the last ``next()`` returned
-        self.base_batches = self.batches
+        self.wait = 0.0              # seconds blocked in next() in this run
+        self.first = 0.0             # when the run's first batch was requested
+        self.first_batch = 0.0       # how long that first request took (known from the second tick)
+        self.ticks = 0               # ticks in this run
+        self.end = 0.0               # when the run ended (StopIteration); 0 while it goes on
         self.base_counts: dict = {}
         self.busy_base: list | None = None
         self.busy_end: list | None = None
-        self.tick_ns = 0             # the first next() of the run ticks
+        self.tick_at = 0.0           # the first next() of the run ticks
 
-    def tick(self, t_ns: int, counts: Any) -> None:
-        """At the start of a ``next()`` at least MARK_NS after the previous tick: start
-        the epoch's clock (first call of a run), take a window mark, and emit the
-        periodic report when it is due.  ``counts`` is the scheduler's Counter."""
-        if not self.first_ns:
-            self.first_ns = t_ns
+    def tick(self, t: float, counts: Any) -> None:
+        """At the start of a ``next()`` due for it: start the epoch's clock (first call
+        of a run), note the first batch's wait (second call), take a window mark,
+        emit the periodic report when due.  ``counts``: the scheduler's Counter."""
+        self.ticks += 1
+        if self.ticks == 1:
+            self.first = t
             self.base_counts = dict(counts)
-            self.base_batches = self.batches
-            self.busy_base = self.busy.totals(t_ns) if self.busy is not None else None
-        self.marks.append((t_ns, self.batches, self.bytes))
-        next_ns = t_ns + MARK_NS
+            self.busy_base = self.busy.totals(t) if self.busy is not None else None
+            self.tick_at = t         # the second call ticks too
+            return
+        if self.ticks == 2:
+            self.first_batch = self.wait
+        self.marks.append((t, counts.get("batches", 0), self.bytes))
+        due = t + MARK_S
         if self.report is not None:
-            if t_ns >= self.report_ns:
-                self.report_ns = t_ns + self.report_every_ns
+            if t >= self.report_at:
+                self.report_at = t + self.report_every
                 self.report()
-            next_ns = min(next_ns, self.report_ns)
-        self.tick_ns = next_ns
+            due = min(due, self.report_at)
+        self.tick_at = due
 
-    def finish(self, t_ns: int) -> None:
+    def finish(self, t: float) -> None:
         """The run ended (StopIteration): the epoch's clock stops here."""
-        if not self.end_ns:
-            self.end_ns = t_ns
-            self.busy_end = self.busy.totals(t_ns) if self.busy is not None else None
+        if not self.end:
+            self.end = t
+            self.busy_end = self.busy.totals(t) if self.busy is not None else None
 
     def set_report(self, report: Callable[[], None] | None, every_s: float) -> None:
         self.report = report
-        self.report_every_ns = int(every_s * 1e9)
-        self.report_ns = _now() + self.report_every_ns
-        self.tick_ns = min(self.tick_ns, self.report_ns)
+        self.report_every = every_s
+        self.report_at = _now() + every_s
+        self.tick_at = min(self.tick_at, self.report_at)
 
     # ---- read side (lazy) ----
 
-    def rates(self) -> tuple[float, float]:
-        """(batches/s, bytes/s) between the oldest mark of the recent window and the
-        last delivered batch; (0.0, 0.0) before two points a millisecond apart."""
-        last_ns, batches, nbytes = self.last_ns, self.batches, self.bytes
-        marks = list(self.marks)
-        for t_ns, b, n in marks:
-            if t_ns >= last_ns - WINDOW_NS:
-                dt = (last_ns - t_ns) / 1e9
+    def rates(self, now: float, batches: int) -> tuple[float, float]:
+        """(batches/s, bytes/s) from the oldest mark of the recent window to ``now``
+        (the end of the run, once it ended); (0.0, 0.0) before a mark 1 ms old."""
+        nbytes = self.bytes
+        for t, b, n in list(self.marks):
+            if t >= now - WINDOW_S:
+                dt = now - t
                 if dt < 1e-3 or batches <= b:
                     return 0.0, 0.0
                 return (batches - b) / dt, (nbytes - n) / dt
@@ -137,18 +141,17 @@ class BusyCells:
 
     Cell ``c`` is written by one worker process at a time: a new process takes a
     cell whose previous owner has been reaped, after the parent folded that owner's
-    total into ``retired_ns[wid]``.  Per worker id the busy total is
-    ``retired_ns[wid] + sum(cells owned by processes with that id)``, monotonic.
+    total into ``retired[wid]``.  Per worker id the busy total is
+    ``retired[wid] + sum(cells owned by processes with that id)``, monotonic.
     When no cell is free (more than ``capacity`` processes alive, only with a tiny
     ``maxtasksperchild``), the new process is not measured (cell -1).
     """
 
     def __init__(self, num_workers: int) -> None:
         self.capacity = 2 * num_workers + 16
-        self.num_workers = num_workers
         self.map: mmap.mmap | None = mmap.mmap(-1, self.capacity * _CELL.size, flags=mmap.MAP_SHARED)
         self.owners: list[Any] = [None] * self.capacity     # WorkerProcess or None
-        self.retired_ns = [0] * num_workers
+        self.retired = [0.0] * num_workers
 
     def allocate(self) -> int:
         """A cell for a process about to start (-1 if none is free)."""
@@ -159,9 +162,8 @@ class BusyCells:
             if owner is None:
                 return cell
             if owner.status is not None:  # reaped: nobody writes it any more
-                busy, _ = _CELL.unpack_from(m, cell * _CELL.size)
-                self.retired_ns[owner.wid] += busy
-                _CELL.pack_into(m, cell * _CELL.size, 0, 0)
+                self.retired[owner.wid] += _CELL.unpack_from(m, cell * _CELL.size)[0]
+                _CELL.pack_into(m, cell * _CELL.size, 0.0, 0.0)
                 self.owners[cell] = None
                 return cell
         return -1
@@ -172,12 +174,12 @@ class BusyCells:
 
     def boot(self, cell: int) -> tuple | None:
         """What a forked worker needs to write its cell (None: not measured)."""
-        return None if cell < 0 or self.map is None else (self.map, cell * _CELL.size)
+        return None if cell < 0 or self.map is None else (self.map, cell)
 
-    def totals(self, now_ns: int) -> list[int]:
-        """Busy nanoseconds per worker id up to ``now_ns`` (the task in progress counted)."""
+    def totals(self, now: float) -> list[float]:
+        """Busy seconds per worker id up to ``now`` (a task in progress counted)."""
         m = self.map
-        out = list(self.retired_ns)
+        out = list(self.retired)
         if m is None:
             return out
         for cell, owner in enumerate(self.owners):
@@ -194,18 +196,18 @@ class BusyCells:
                 pair = again
             busy, start = pair
             if start and owner.status is None:
-                busy += max(0, now_ns - start)
+                busy += max(0.0, now - start)
             out[owner.wid] += busy
         return out
 
     def close(self) -> None:
-        """Fold every cell into ``retired_ns`` (the totals stay readable) and unmap."""
+        """Fold every cell into ``retired`` (the totals stay readable) and unmap."""
         m = self.map
         if m is None:
             return
         for cell, owner in enumerate(self.owners):
-            if owner is not None and owner.wid < len(self.retired_ns):
-                self.retired_ns[owner.wid] += _CELL.unpack_from(m, cell * _CELL.size)[0]
+            if owner is not None and owner.wid < len(self.retired):
+                self.retired[owner.wid] += _CELL.unpack_from(m, cell * _CELL.size)[0]
         self.owners = [None] * self.capacity
         self.map = None
         m.close()
@@ -213,23 +215,26 @@ class BusyCells:
 
 class WorkerBusy:
     """The worker's side of its cell: ``start()`` when a task arrives, ``stop()`` after
-    its batch is published.  Continues the cell's total (a cell's writers follow
-    one another)."""
+    its batch is published; each one clock read and plain 8-byte stores through a
+    memoryview of the inherited mapping.  Continues the cell's total (a cell's
+    writers follow one another)."""
 
-    __slots__ = ("map", "off", "busy", "start_ns")
+    __slots__ = ("cell", "busy", "start_t")
 
     def __init__(self, boot: tuple) -> None:
-        self.map, self.off = boot
-        self.busy = _CELL.unpack_from(self.map, self.off)[0]
-        self.start_ns = 0
+        mapping, cell = boot
+        self.cell = memoryview(mapping).cast("d")[2 * cell:2 * cell + 2]  # exported in the worker only
+        self.busy = self.cell[0]
+        self.start_t = 0.0
 
     def start(self) -> None:
-        self.start_ns = t = _now()
-        _CELL.pack_into(self.map, self.off, self.busy, t)
+        self.start_t = self.cell[1] = _now()
 
     def stop(self) -> None:
-        self.busy += _now() - self.start_ns
-        _CELL.pack_into(self.map, self.off, self.busy, 0)
+        cell = self.cell
+        self.busy += _now() - self.start_t
+        cell[0] = self.busy   # busy first: a reader seeing start == 0 sees the new total
+        cell[1] = 0.0
 
 
 # ---- stats ----
@@ -246,32 +251,32 @@ def engine_stats(engine: Engine, meter: Meter) -> dict:
     """The metric keys of ``engine`` (see docs/metrics.md)."""
     now = _now()
     out = empty_stats()
-    first = meter.first_ns
+    counts = engine._scheduler.stats
+    first = meter.first
+    end = meter.end or now
     if first:
-        end = meter.end_ns or now
-        wall_ns = max(1, end - first)
-        out["wait_s"] = meter.wait_ns / 1e9
-        out["wall_s"] = wall_ns / 1e9
-        out["first_batch_s"] = meter.first_batch_ns / 1e9
-        out["epoch_batches"] = meter.batches - meter.base_batches
-        counts = engine._scheduler.stats
+        wall = max(1e-9, end - first)
+        out["wait_s"] = meter.wait
+        out["wall_s"] = wall
+        out["first_batch_s"] = meter.first_batch if meter.ticks >= 2 else meter.wait
         base = meter.base_counts
-        out["epoch_no_free_slot"] = counts.get("no_free_slot", 0) - base.get("no_free_slot", 0)
-        out["epoch_fallback_pipe"] = counts.get("fallback_pipe", 0) - base.get("fallback_pipe", 0)
-        out["worker_busy"] = _busy_fractions(meter, end, wall_ns, engine.num_workers)
+        for key, name in (("epoch_batches", "batches"), ("epoch_no_free_slot", "no_free_slot"),
+                          ("epoch_fallback_pipe", "fallback_pipe")):
+            out[key] = counts.get(name, 0) - base.get(name, 0)
+        out["worker_busy"] = _busy_fractions(meter, end, wall, engine.num_workers)
     else:
         out["worker_busy"] = [None if meter.busy is None else 0.0] * engine.num_workers
-    out["batches_per_s"], out["bytes_per_s"] = meter.rates()
+    out["batches_per_s"], out["bytes_per_s"] = meter.rates(end, counts.get("batches", 0))
     out["ready_batches"], out["held_slots"] = _occupancy(engine)
     return out
 
 
-def _busy_fractions(meter: Meter, end_ns: int, wall_ns: int, num_workers: int) -> list:
+def _busy_fractions(meter: Meter, end: float, wall: float, num_workers: int) -> list:
     cells, base = meter.busy, meter.busy_base
     if cells is None or base is None:
         return [None] * num_workers
-    now = meter.busy_end if meter.busy_end is not None else cells.totals(end_ns)
-    return [max(0.0, (b - a) / wall_ns) for a, b in zip(base, now)]
+    now = meter.busy_end if meter.busy_end is not None else cells.totals(end)
+    return [max(0.0, (b - a) / wall) for a, b in zip(base, now)]
 
 
 def _occupancy(engine: Engine) -> tuple[int, int]:

@@ -332,9 +332,7 @@ class Scheduler:
             run.handoff = decode(lease, lease.desc_off, lease.desc_len, self.engine.copy)
             task.consumed = True
             task.box.clear()
-            meter = self.meter
-            meter.batches += 1
-            meter.bytes += nbytes
+            self.meter.bytes += nbytes
         except Exception as exc:  # a worker's exception, or a corrupt descriptor: the batch is used up
             task.consumed = True
             task.box.clear()
@@ -353,9 +351,7 @@ class Scheduler:
             self.stats["errors"] += 1
             raise _failure_exception(obj)
         self.stats["fallback_pipe"] += 1
-        meter = self.meter
-        meter.batches += 1
-        meter.bytes += len(msg) - PIPE_HEADER.size
+        self.meter.bytes += len(msg) - PIPE_HEADER.size
         return obj
 
     def _note_growth(self) -> None:
@@ -558,7 +554,7 @@ _sigmask = _signal.pthread_sigmask
 
 
 _MAIN = threading.main_thread()
-_now_ns = time.monotonic_ns
+_clock = time.monotonic  # the metrics' clock (CLOCK_MONOTONIC, shared with the workers)
 
 
 def _failure_exception(failure: Any) -> BaseException:
@@ -612,22 +608,18 @@ class Run:
         if self.done:
             raise StopIteration
         meter = self._meter
-        t0 = _now_ns()
-        if t0 >= meter.tick_ns:  # the run's first call, a window mark, a periodic report
+        t0 = _clock()
+        if t0 >= meter.tick_at:  # the run's first two calls, a window mark, a periodic report
             meter.tick(t0, self._engine._scheduler.stats)
         try:
             self._engine._next_batch(self)
         except StopIteration:
             self.done = True
-            meter.finish(_now_ns())
+            meter.finish(_clock())
             raise
         finally:
             # Before the handoff is read: an interrupt here leaves the batch in the run.
-            t1 = _now_ns()
-            meter.wait_ns += t1 - t0
-            meter.last_ns = t1
-            if not meter.first_batch_ns:
-                meter.first_batch_ns = t1 - t0
+            meter.wait += _clock() - t0
         # Taken with no C call between the read and the return: an interrupt cannot
         # land after the batch left the run and before the caller has it.
         batch = self.handoff
