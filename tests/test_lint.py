@@ -19,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUFF_PATHS = ["mploader/cli.py", "mploader/__main__.py", "mploader/_version.py", "bench",
               "mploader/_descriptor.py", "mploader/_structure.py", "mploader/_inband.py", "mploader/_sizing.py",
               "tests/test_descriptor.py", "tests/test_core_fallback.py", "tests/test_core_roundtrip.py",
-              "mploader/_metrics.py", "mploader/_diagnose.py", "tests/test_metrics.py", "bench/metrics_cost.py",
+              "mploader/_metrics.py", "mploader/_diagnose.py", "tests/test_metrics.py",
               "mploader/__init__.py", "mploader/_options.py", "mploader/_pinning.py", "mploader/_collate.py",
               "mploader/dataloader.py", "mploader/sharded.py", "mploader/iterators.py", "mploader/_chainer_state.py",
               "mploader/sampler.py", "mploader/batchify.py", "mploader/_batchify_arrays.py",
