@@ -12,11 +12,11 @@ waiting ``next()`` notices ``closing`` within one wait slice, POLL_S).
 """
 from __future__ import annotations
 
+import _signal
 import collections
 import itertools
 import os
 import pickle
-import _signal
 import signal
 import threading
 import time
