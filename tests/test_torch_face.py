@@ -613,3 +613,56 @@ def test_in_order_false_returns_batches_as_they_complete(in_order, no_leaks):
     else:
         assert got[0][1] == 1
         assert sum(w == 1 for _, w in got) > sum(w == 0 for _, w in got)
+
+
+# ---------------------------------------------------------------------------
+# Deliberate differences from torch, each pinned here (docs/faces.md's table)
+# ---------------------------------------------------------------------------
+
+@needs_engine
+def test_a_second_iterator_supersedes_the_first(no_leaks):
+    """One engine per loader: torch runs two iterators of one loader side by side,
+    each with its own workers; here the second ends the first."""
+    loader = DataLoader(Plain(), batch_size=2, num_workers=1)
+    first = iter(loader)
+    assert next(first).tolist() == [0, 1]
+    second = iter(loader)
+    assert [b.tolist() for b in second] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+    with pytest.raises(RuntimeError, match="superseded"):
+        next(first)
+    loader.close()
+
+
+def transposed_collate(batch):
+    return torch.stack([s["x"] for s in batch]).t()  # a non-contiguous view of its own storage
+
+
+@needs_engine
+def test_custom_collate_tensors_come_back_contiguous(no_leaks):
+    """torch pickles a custom collate_fn's tensor with its storage and strides; here
+    only its elements travel, so a non-contiguous result arrives contiguous (same
+    values, shape and dtype)."""
+    ref = next(iter(TorchDataLoader(Augmented(), batch_size=3, num_workers=1, collate_fn=transposed_collate)))
+    loader = DataLoader(Augmented(), batch_size=3, num_workers=1, collate_fn=transposed_collate)
+    got = next(iter(loader))
+    assert not ref.is_contiguous() and got.is_contiguous()
+    assert got.shape == ref.shape and got.dtype == ref.dtype and torch.equal(got, ref)
+    loader.close()
+
+
+def test_prefetch_beyond_the_ring_is_refused():
+    """torch accepts any prefetch_factor; the ring has at most MAX_SLOTS slots."""
+    from mploader import _options
+    with pytest.raises(ValueError, match=r"prefetch_factor \* num_workers must be at most"):
+        DataLoader(Plain(), num_workers=2, prefetch_factor=_options.MAX_PREFETCH)
+    TorchDataLoader(Plain(), num_workers=2, prefetch_factor=_options.MAX_PREFETCH)
+
+
+@needs_engine
+def test_worker_init_fn_failure_fails_every_batch_of_that_worker(no_leaks):
+    """torch reports the worker_init_fn error for that worker's first batch and then
+    UnboundLocalError for each later one; here every batch of it repeats the error."""
+    loader = DataLoader(InitDataset(), batch_size=1, num_workers=1, worker_init_fn=failing_init)
+    got = outcome(iter(loader))
+    assert got == [("raised", OSError, "Caught OSError in DataLoader worker process 0.")] * 4
+    loader.close()
