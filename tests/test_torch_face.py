@@ -666,3 +666,41 @@ def test_worker_init_fn_failure_fails_every_batch_of_that_worker(no_leaks):
     got = outcome(iter(loader))
     assert got == [("raised", OSError, "Caught OSError in DataLoader worker process 0.")] * 4
     loader.close()
+
+
+class RangeStream(IterableDataset):
+    """torch's documentation example: each worker narrows ``[start, end)`` to its share
+    in ``worker_init_fn`` through ``get_worker_info().dataset``."""
+
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+    def __iter__(self):
+        return iter(range(self.start, self.end))
+
+
+def shard_range(worker_id):
+    import math
+    info = get_worker_info()
+    ds = info.dataset
+    per_worker = int(math.ceil((ds.end - ds.start) / float(info.num_workers)))
+    start = ds.start + worker_id * per_worker
+    ds.start, ds.end = start, min(start + per_worker, ds.end)
+
+
+@needs_engine
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_worker_info_dataset_is_the_workers_replica(method, mp_helpers, no_leaks):
+    """get_worker_info().dataset is the very object the worker iterates, also when the
+    dataset travels pickled (spawn): torch's sharding recipe gives torch's batches."""
+    import multiprocessing
+    ref = [b.tolist() for b in TorchDataLoader(RangeStream(3, 17), batch_size=3, num_workers=2,
+                                               worker_init_fn=shard_range)]
+    loader = DataLoader(RangeStream(3, 17), batch_size=3, num_workers=2, worker_init_fn=shard_range,
+                        multiprocessing_context=method)
+    try:
+        got = [b.tolist() for b in loader]
+    finally:
+        loader.close()
+        multiprocessing.active_children()
+    assert got == ref == [[3, 4, 5], [10, 11, 12], [6, 7, 8], [13, 14, 15], [9], [16]]
