@@ -704,3 +704,19 @@ def test_worker_info_dataset_is_the_workers_replica(method, mp_helpers, no_leaks
         loader.close()
         multiprocessing.active_children()
     assert got == ref == [[3, 4, 5], [10, 11, 12], [6, 7, 8], [13, 14, 15], [9], [16]]
+
+
+@needs_engine
+@pytest.mark.parametrize("persistent", [False, True])
+def test_dropping_the_loader_stops_its_workers(persistent, no_leaks):
+    """No close(): when the loader and its iterator go away, so do the workers and the
+    shared memory (tensors still held stay valid)."""
+    loader = DataLoader(Plain(), batch_size=2, num_workers=2, persistent_workers=persistent)
+    it = iter(loader)
+    kept = next(it)
+    pids = loader._mpl_engine.worker_pids()
+    assert len(pids) == 2
+    del it, loader
+    gc.collect()
+    assert kept.tolist() == [0, 1]
+    del kept
