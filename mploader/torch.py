@@ -130,6 +130,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._mpl_engine_key: tuple | None = None
         self._mpl_init: WorkerInit | None = None
         self._mpl_pinned = False
+        self._mpl_host_pinner: _pinning.HostPinner | None = None
         self._mpl_epoch = 0
 
     # ---- iterators ----
@@ -157,8 +158,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         key = (self.num_workers, start_method, self.prefetch_factor, self.timeout, self.collate_fn,
                self.worker_init_fn, bool(self.pin_memory))
         if self._mpl_engine is None or self._mpl_engine_key != key or self._mpl_engine.closed:
-            if self._mpl_engine is not None:
-                self._mpl_engine.close()
+            self.close()
             if self.collate_fn is default_collate and self._auto_collation:
                 mode = DEFAULT
             elif self.collate_fn is default_convert and not self._auto_collation:
@@ -167,7 +167,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 mode = CUSTOM
             fetch = Fetch(mode, self.collate_fn, self._auto_collation, self.drop_last)
             init = WorkerInit(self.dataset, self.worker_init_fn, per_batch=self._mpl_seed is not None)
-            pinner = self._mpl_pinner()
+            pinner = self._mpl_host_pinner = self._mpl_pinner()
             self._mpl_engine = _engine.Engine(
                 self.dataset, fetch, num_workers=self.num_workers,
                 prefetch=self.prefetch_factor * self.num_workers, shared_mem=self._mpl_shared_mem,
@@ -194,10 +194,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
 
     def close(self) -> None:
         """Stop the workers and release the shared memory (tensors already returned
-        stay valid).  Idempotent; the loader starts new workers if iterated again."""
+        stay valid); with ``pin_memory`` on CUDA, unregister the pinned region.
+        Idempotent; the loader starts new workers if iterated again."""
         engine, self._mpl_engine = self._mpl_engine, None
+        pinner, self._mpl_host_pinner = self._mpl_host_pinner, None
         if engine is not None:
             engine.close()
+        if pinner is not None:
+            pinner.release()
 
     def __enter__(self) -> DataLoader[_T_co]:
         return self
@@ -208,7 +212,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def __getstate__(self) -> dict:
         """Pickling (deepcopy, spawned trainers) drops the workers; the copy starts its own."""
         state = self.__dict__.copy()
-        state.update(_iterator=None, _mpl_engine=None, _mpl_engine_key=None, _mpl_init=None, _mpl_pinned=False)
+        state.update(_iterator=None, _mpl_engine=None, _mpl_engine_key=None, _mpl_init=None, _mpl_pinned=False,
+                     _mpl_host_pinner=None)
         return state
 
     def stats(self) -> dict:

@@ -720,3 +720,58 @@ def test_dropping_the_loader_stops_its_workers(persistent, no_leaks):
     gc.collect()
     assert kept.tolist() == [0, 1]
     del kept
+
+
+class FakeCudart:
+    """Records cudaHostRegister / cudaHostUnregister (no GPU needed)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.calls.append(("register", ptr, nbytes, flags))
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unregister", ptr))
+        return 0
+
+
+class GrowingRows(Dataset):
+    """Sample i has 64 * (1 + i) floats: later batches need bigger slots."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return torch.full((64 * (1 + i),), float(i))
+
+
+@needs_engine
+def test_pin_memory_with_cuda_registers_the_region_before_batches_arrive(monkeypatch, no_leaks):
+    """With CUDA (faked here: no GPU on the test machine) the ring's region is
+    page-locked as it grows, so every returned tensor lies in registered memory; no
+    per-batch copy into pinned memory; close() unregisters every range."""
+    import contextlib
+
+    from mploader import _pinning
+    fake = FakeCudart()
+    monkeypatch.setattr(_pinning, "cuda_runtime", lambda device_id: (fake, contextlib.nullcontext))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.accelerator, "is_available", lambda: True)
+    monkeypatch.setattr(torch.utils.data._utils.pin_memory, "pin_memory",
+                        lambda *a, **k: pytest.fail("a batch was copied into pinned memory"))
+    loader = DataLoader(GrowingRows(), batch_size=1, num_workers=2, pin_memory=True)
+    try:
+        for batch in loader:
+            region = loader._mpl_engine.region
+            registered = sum(c[2] for c in fake.calls if c[0] == "register")
+            start = batch.data_ptr()
+            assert region.address <= start and start + batch.nbytes <= region.address + registered
+            del batch
+        starts = [c[1] for c in fake.calls if c[0] == "register"]
+        assert len(starts) >= 2 and starts[0] == region.address
+    finally:
+        loader.close()
+    assert [c[1] for c in fake.calls if c[0] == "unregister"] == starts
