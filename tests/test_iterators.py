@@ -10,6 +10,7 @@ last ``next()``.  Every behaviour is checked with n_processes 0 (in-process), 1 
 from __future__ import annotations
 
 import copy
+import gc
 import multiprocessing
 import os
 import pickle
@@ -552,8 +553,8 @@ def test_timeout_warning_as_error_leaves_the_batch_owed(procs):
 def test_inline_path_starts_one_thread_not_one_per_batch(monkeypatch, dataset_timeout):
     """n_processes=0 with a dataset_timeout (the default) loads batches on a helper
     thread so that next() can warn while the dataset stalls: one thread for the
-    iterator's life, not one per batch (reset and serialize start new runs, still no
-    new thread)."""
+    iterator's life, not one per batch (a reset starts a new run, still no new
+    thread), ended by finalize() or by garbage collection."""
     created = []
 
     class CountingThread(threading.Thread):
@@ -573,6 +574,16 @@ def test_inline_path_starts_one_thread_not_one_per_batch(monkeypatch, dataset_ti
     assert len(created) == 1, f"{len(created)} threads for 21 batches"
     created[0].join(10)
     assert not created[0].is_alive(), "the helper thread ends with the iterator"
+    # dropped without finalize(): the thread ends when the iterator is collected
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MultiprocessIterator.TimeoutWarning)
+        it = MultiprocessIterator(Indexed(10), 3, shuffle=False, n_processes=0, dataset_timeout=dataset_timeout)
+        assert it.next() == [0, 1, 2]
+        del it
+    gc.collect()
+    assert len(created) == 2
+    created[1].join(10)
+    assert not created[1].is_alive(), "the helper thread ends when the iterator is collected"
 
 
 @pytest.mark.parametrize("procs", [1, 2], ids=lambda n: f"procs{n}")
