@@ -237,9 +237,12 @@ class LoaderOptions:
         num_workers = check_int(n("num_workers"), self.num_workers, minimum=0)
         put(self, "num_workers", num_workers)
         prefetch = self.prefetch
-        if prefetch is None:
-            prefetch = 2 * num_workers
         why = f" (the ring holds at most {MAX_SLOTS} slots and the engine uses {n('prefetch')} + {EXTRA_SLOTS})"
+        if prefetch is None:
+            # the default is Gluon's 2 * num_workers: a limit it exceeds is num_workers'
+            check_int(n("num_workers"), num_workers, maximum=MAX_PREFETCH // 2,
+                      why_max=f" with the default {n('prefetch')} of 2 * {n('num_workers')}{why}")
+            prefetch = 2 * num_workers
         prefetch = check_int(n("prefetch"), prefetch, minimum=0, maximum=MAX_PREFETCH, why_max=why)
         if num_workers > 0 and prefetch == 0:
             raise ValueError(f"{n('prefetch')} must be a positive integer when {n('num_workers')} > 0 "

@@ -54,6 +54,9 @@ CASES = [
     ("prefetch=5000", gluon, dict(num_workers=2, prefetch=5000), ValueError,
      f"prefetch must be at most {PREFETCH_LIMIT} (the ring holds at most {RING_SLOTS} slots and the engine uses "
      "prefetch + 3), got 5000"),
+    ("num_workers=2047, default prefetch", gluon, dict(num_workers=PREFETCH_LIMIT // 2 + 1), ValueError,
+     f"num_workers must be at most {PREFETCH_LIMIT // 2} with the default prefetch of 2 * num_workers (the ring "
+     f"holds at most {RING_SLOTS} slots and the engine uses prefetch + 3), got {PREFETCH_LIMIT // 2 + 1}"),
     ("prefetch=0 with workers", gluon, dict(num_workers=2, prefetch=0), ValueError,
      "prefetch must be a positive integer when num_workers > 0 (the engine keeps at least one batch in flight; "
      "Gluon's 0 loaded each batch only when asked for it), got 0"),
