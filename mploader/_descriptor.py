@@ -98,7 +98,7 @@ class SlotWriter:
     or shrunk when it holds far more than the typical batch (after an outlier).
     """
 
-    __slots__ = ("base", "buf", "capacity", "flags", "handed", "mv", "region", "sizing", "slot", "used")
+    __slots__ = ("base", "capacity", "flags", "handed", "mv", "region", "sizing", "slot", "used")
 
     def __init__(self, region: _ring.Region, slot: int, seq: int) -> None:
         self.region = region
@@ -119,12 +119,7 @@ class SlotWriter:
     def _map(self) -> None:
         self.mv: memoryview | None
         self.base, self.capacity = self.region.payload_address(self.slot)
-        if self.capacity:
-            self.mv = self.region.payload(self.slot)
-            self.buf = np.frombuffer(self.mv, np.uint8)
-        else:
-            self.mv = None
-            self.buf = _EMPTY
+        self.mv = self.region.payload(self.slot) if self.capacity else None
 
     def alloc(self, shape: tuple, dtype: Any) -> np.ndarray:
         """Uninitialised C-contiguous array of ``shape``/``dtype``, in the slot if it fits."""
@@ -132,11 +127,11 @@ class SlotWriter:
         nbytes = dtype.itemsize
         for n in shape:
             nbytes *= n
-        off = _align(self.used)
-        if dtype.itemsize == 0 or dtype.hasobject or off + nbytes > self.capacity:
-            return np.empty(shape, dtype)  # object pointers must never live in shared memory
+        off = (self.used + ALIGN - 1) & ~(ALIGN - 1)
+        if dtype.itemsize == 0 or dtype.hasobject or off + nbytes > self.capacity or self.mv is None:
+            return np.empty(shape, dtype)  # (object pointers must never live in shared memory)
         self.used = off + nbytes
-        out = self.buf[off:off + nbytes].view(dtype).reshape(shape)
+        out = np.ndarray(shape, dtype, self.mv, off)
         self.handed[id(out)] = (out, off)
         return out
 
@@ -172,7 +167,7 @@ class SlotWriter:
                 return data
             self.flags |= _ring.FLAG_GROWN
             self._map()
-        buf = self.buf
+        buf = np.frombuffer(self.mv, np.uint8) if enc.pending else _EMPTY
         for off, arr in enc.pending:
             if arr.nbytes:
                 np.copyto(buf[off:off + arr.nbytes].view(arr.dtype).reshape(arr.shape), arr, casting="no")

@@ -74,12 +74,12 @@ class SlotSizing:
             and capacity - target >= self.shrink_min_bytes
 
 
-_POLICIES: dict[tuple[int, int], SlotSizing] = {}
+_POLICIES: dict[int, SlotSizing] = {}
 
 
 def sizing_for(region: _ring.Region) -> SlotSizing:
     """This process's :class:`SlotSizing` for ``region`` (one per mapped region)."""
-    key = (region.address, region.reserve_bytes)
+    key = region.address  # two mapped regions never share an address
     sizing = _POLICIES.get(key)
     if sizing is None:
         if len(_POLICIES) >= _MAX_REGIONS:
