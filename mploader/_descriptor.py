@@ -51,7 +51,6 @@ __all__ = ["ALIGN", "CorruptDescriptor", "SlotWriter", "decode", "read_record"]
 
 #: Alignment of every array (and of the descriptor) in a slot payload, bytes.
 ALIGN = 64
-_EMPTY = np.empty(0, np.uint8)
 _CONTAINERS = (np.ndarray, list, tuple, dict)
 try:
     from numpy.lib.array_utils import byte_bounds as _byte_bounds
@@ -167,12 +166,11 @@ class SlotWriter:
                 return data
             self.flags |= _ring.FLAG_GROWN
             self._map()
-        buf = np.frombuffer(self.mv, np.uint8) if enc.pending else _EMPTY
-        for off, arr in enc.pending:
-            if arr.nbytes:
-                np.copyto(buf[off:off + arr.nbytes].view(arr.dtype).reshape(arr.shape), arr, casting="no")
         mv = self.mv
         assert mv is not None  # total > 0, so the slot has a payload
+        for off, arr in enc.pending:  # arrays from elsewhere, copied in once
+            if arr.nbytes:
+                np.copyto(np.ndarray(arr.shape, arr.dtype, mv, off), arr, casting="no")
         layout.whole.pack_into(mv, desc_off, S.MAGIC, S.VERSION, 0, layout.struct_len, layout.values.size, var_len,
                                layout.digest, layout.struct_bytes, *enc.vals)
         p = desc_off + layout.whole.size
