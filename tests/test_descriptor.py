@@ -625,35 +625,43 @@ def test_random_byte_changes(name):
 
 
 class CorruptsTheReadySlot:
-    """``dataset[i]``: a row of ``i``; loading sample 8 (batch 2) first overwrites the
-    descriptor magic of every READY slot -- batch 1's, published and not yet taken --
-    as a stray writer would, then tells the parent through a pipe."""
+    """``dataset[i]``: a row of ``i``.  Loading sample 8 (batch 2) waits until the
+    parent has taken batch 0, then overwrites the descriptor magic of every READY
+    slot -- batch 1's, published and not yet taken -- as a stray writer would, and
+    tells the parent."""
 
-    def __init__(self, n, pipe_w):
-        self.n, self.pipe_w, self.loader = n, pipe_w, None
+    def __init__(self, n):
+        self.n, self.loader = n, None
+        self.taken_r, self.taken_w = os.pipe()      # parent -> worker: batch 0 taken
+        self.corrupt_r, self.corrupt_w = os.pipe()  # worker -> parent: batch 1 corrupted
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
         if i == 8:
+            assert os.read(self.taken_r, 1) == b"x"
             region = self.loader._engine.region
             for s in range(region.nslots):
                 if region.state(s) == _ring.STATE_READY:
                     m = region.meta(s)
                     ctypes.memmove(region.address + m.offset + m.desc_off, b"\xff\xff\xff", 3)
-            os.write(self.pipe_w, b"x")
+            os.write(self.corrupt_w, b"x")
         return np.full(3, i, np.int64)
+
+    def close(self):
+        for fd in (self.taken_r, self.taken_w, self.corrupt_r, self.corrupt_w):
+            os.close(fd)
 
 
 def corrupt_descriptor_through_a_loader():
-    r, w = os.pipe()
-    ds = CorruptsTheReadySlot(40, w)
+    ds = CorruptsTheReadySlot(40)
     with mploader.DataLoader(ds, batch_size=4, num_workers=1, prefetch=4, seed=0, timeout=20) as dl:
         ds.loader = dl
         it = iter(dl)
-        got = [int(next(it)[0, 0])]
-        assert os.read(r, 1) == b"x"  # batch 1's slot is corrupt now
+        got = [int(next(it)[0, 0])]  # batch 0, its slot FREE again at once
+        os.write(ds.taken_w, b"x")
+        assert os.read(ds.corrupt_r, 1) == b"x"  # batch 1's slot is corrupt now
         errors = []
         for _ in range(len(dl) - 1):
             try:
@@ -670,8 +678,7 @@ def corrupt_descriptor_through_a_loader():
         gc.collect()
         states = [region.state(s) for s in range(region.nslots)]
         assert states == [_ring.STATE_FREE] * region.nslots, states
-    os.close(r)
-    os.close(w)
+    ds.close()
 
 
 def test_corrupt_descriptor_in_a_loader_raises_once_and_iteration_goes_on():
