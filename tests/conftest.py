@@ -68,7 +68,7 @@ class Snapshot:
         self.maps = memfd_mappings()
         self.shm = shm_entries()
 
-    def leaks(self, before: "Snapshot") -> list[str]:
+    def leaks(self, before: Snapshot) -> list[str]:
         problems = []
         new_children = self.children - before.children
         if new_children:

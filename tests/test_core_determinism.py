@@ -11,9 +11,9 @@ import random
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")  # every check here includes torch's RNG
-
 import mploader
+
+torch = pytest.importorskip("torch")  # every check here includes torch's RNG
 
 pytestmark = pytest.mark.timeout(60)
 
