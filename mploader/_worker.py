@@ -123,7 +123,9 @@ def _run(spec: WorkerSpec, boot: WorkerBoot) -> None:
             region = boot.region
             region.populate()
         else:
-            region = _ring.attach_region(boot.region_fd.detach())
+            fd = boot.region_fd.detach()
+            region = _ring.attach_region(fd)  # maps its own duplicate of the memfd
+            os.close(fd)
         init_failure = _init(spec, boot.worker_id)
         _loop(spec, boot, region, init_failure)
     except SystemExit as exc:  # sys.exit() in user code: exit with the status it asked for
