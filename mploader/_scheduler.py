@@ -12,7 +12,7 @@ waiting ``next()`` notices ``closing`` within one wait slice, POLL_S).
 """
 from __future__ import annotations
 
-import _signal  # type: ignore[import-not-found]  # the C module behind signal; no stub
+import _signal  # the C module behind signal (pyproject: no stub, ignored)
 import collections
 import itertools
 import os
