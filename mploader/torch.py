@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import IterableDataset, default_collate, default_convert, get_worker_info
 from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
 
-from . import _engine, _options, _pinning
+from . import _diagnose, _engine, _metrics, _options, _pinning
 from ._torch_collate import to_tensors, unpack
 from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, PACKED, Fetch, WorkerInit
 
@@ -132,6 +132,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._mpl_pinned = False
         self._mpl_host_pinner: _pinning.HostPinner | None = None
         self._mpl_epoch = 0
+        self._mpl_report: tuple | None = None  # log_stats_every's (seconds, logger), for each new engine
 
     # ---- iterators ----
 
@@ -178,6 +179,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 weakref.finalize(self._mpl_engine, pinner.release)
             self._mpl_pinned = pinner is not None
             self._mpl_engine_key = key
+            if self._mpl_report is not None:
+                _diagnose.log_stats_every(self._mpl_engine, *self._mpl_report)
             self._mpl_init = init
         assert self._mpl_init is not None
         return self._mpl_engine, self._mpl_init
@@ -217,9 +220,37 @@ class DataLoader(_TorchDataLoader[_T_co]):
         return state
 
     def stats(self) -> dict:
-        """The engine's counters (see ``mploader.DataLoader.stats``); empty before the
-        first multi-worker iteration."""
-        return self._mpl_engine.stats() if self._mpl_engine is not None else {}
+        """The engine's counters and input-pipeline metrics, as
+        ``mploader.DataLoader.stats`` (docs/metrics.md): ``wait_s`` is the time spent
+        in the engine's ``next()`` (turning arrays into tensors is not counted).
+        Zeros before the first multi-worker iteration, after ``close()`` and with
+        ``num_workers=0``; ``worker_busy`` is None per worker for spawn/forkserver
+        workers."""
+        if self._mpl_engine is None:
+            out = {"batches": 0, "slot": 0, "fallback_inband": 0, "fallback_pipe": 0, "no_free_slot": 0,
+                   "grown": 0, "errors": 0, "num_slots": 0, "shm_bytes": 0}
+            out.update(_metrics.empty_stats())
+            return out
+        return self._mpl_engine.stats()
+
+    def log_stats_every(self, seconds: float | None, logger: Any = None) -> None:
+        """As ``mploader.DataLoader.log_stats_every``: log ``stats()`` and the verdict of
+        ``mploader.diagnose`` at INFO level on ``logger`` (default: the ``"mploader"``
+        logger) at the first ``next()`` after every ``seconds``; None or 0 stops.
+
+        Raises
+        ------
+        ValueError
+            ``seconds`` is negative or NaN, or ``num_workers=0``.
+        TypeError
+            ``seconds`` is not a number, or ``logger`` not a ``logging.Logger``.
+        """
+        if self.num_workers == 0:
+            raise ValueError("log_stats_every needs worker processes, got num_workers=0")
+        _diagnose.check_report(seconds, logger)
+        self._mpl_report = (seconds, logger)
+        if self._mpl_engine is not None:
+            _diagnose.log_stats_every(self._mpl_engine, seconds, logger)
 
 
 class _RingIter(_BaseDataLoaderIter):

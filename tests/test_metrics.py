@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import mploader
-from mploader import _diagnose
+from mploader import _diagnose, _metrics
 from mploader._engine import Engine
 
 SAMPLE_S = 0.02   # a slow sample
@@ -42,6 +42,21 @@ class SlowData:
         if self.delay_s:
             time.sleep(self.delay_s)
         return np.full(self.size, i, np.float32)
+
+
+FACES = ["gluon", "torch"]
+
+
+def make_loader(face: str, dataset, batch_size: int, num_workers: int, prefetch: int | None = None):
+    """A loader of ``face`` with ``prefetch`` batches in flight (default 2 per worker)."""
+    if face == "gluon":
+        return mploader.DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, prefetch=prefetch)
+    pytest.importorskip("torch")
+    from mploader.torch import DataLoader
+    if num_workers == 0:
+        return DataLoader(dataset, batch_size=batch_size)
+    factor = 2 if prefetch is None else prefetch // num_workers
+    return DataLoader(dataset, batch_size=batch_size, num_workers=num_workers, prefetch_factor=factor)
 
 
 def timed_epoch(loader, work_s: float = 0.0, keep: bool = False):
@@ -66,12 +81,13 @@ def timed_epoch(loader, work_s: float = 0.0, keep: bool = False):
     return wait, time.perf_counter() - start, kept
 
 
-# ---- the three verdicts, Gluon face ----
+# ---- the three verdicts, Gluon and torch faces ----
 
 
-def test_slow_dataset_fast_consumer_is_input_bound(no_leaks):
+@pytest.mark.parametrize("face", FACES)
+def test_slow_dataset_fast_consumer_is_input_bound(no_leaks, face):
     n, batch_size = 48, 2
-    with mploader.DataLoader(SlowData(n), batch_size=batch_size, num_workers=2) as dl:
+    with make_loader(face, SlowData(n), batch_size, 2) as dl:
         ref_wait, ref_wall, _ = timed_epoch(dl)
         s = dl.stats()
         verdict = mploader.diagnose(dl)
@@ -90,9 +106,10 @@ def test_slow_dataset_fast_consumer_is_input_bound(no_leaks):
     assert verdict.worker_busy >= _diagnose.BUSY_WORKERS
 
 
-def test_fast_dataset_slow_consumer_is_compute_bound(no_leaks):
+@pytest.mark.parametrize("face", FACES)
+def test_fast_dataset_slow_consumer_is_compute_bound(no_leaks, face):
     n = 24
-    with mploader.DataLoader(SlowData(n, delay_s=0), batch_size=1, num_workers=2) as dl:
+    with make_loader(face, SlowData(n, delay_s=0), 1, 2) as dl:
         ref_wait, ref_wall, _ = timed_epoch(dl, work_s=WORK_S)
         s = dl.stats()
         verdict = mploader.diagnose(dl)
@@ -107,9 +124,10 @@ def test_fast_dataset_slow_consumer_is_compute_bound(no_leaks):
     assert 0 < s["batches_per_s"] <= 1.5 / WORK_S
 
 
-def test_consumer_holding_every_batch_is_transport_bound(no_leaks):
+@pytest.mark.parametrize("face", FACES)
+def test_consumer_holding_every_batch_is_transport_bound(no_leaks, face):
     n = 32
-    with mploader.DataLoader(SlowData(n, delay_s=0), batch_size=1, num_workers=2, prefetch=2) as dl:
+    with make_loader(face, SlowData(n, delay_s=0), 1, 2, prefetch=2) as dl:
         with pytest.warns(RuntimeWarning, match="slots are held"):
             _, _, kept = timed_epoch(dl, keep=True)
         s = dl.stats()
@@ -129,10 +147,11 @@ def test_consumer_holding_every_batch_is_transport_bound(no_leaks):
 # ---- the other keys against references ----
 
 
-def test_keys_before_any_batch_and_without_workers():
-    for dl in (mploader.DataLoader(SlowData(4), batch_size=2, num_workers=1),
-               mploader.DataLoader(SlowData(4, delay_s=0), batch_size=2, num_workers=0)):
+@pytest.mark.parametrize("face", FACES)
+def test_keys_before_any_batch_and_without_workers(face):
+    for dl in (make_loader(face, SlowData(4), 2, 1), make_loader(face, SlowData(4, delay_s=0), 2, 0)):
         with dl:
+            assert set(_metrics.METRIC_KEYS) <= set(dl.stats())
             s = dl.stats()
             for key in ("wait_s", "wall_s", "first_batch_s", "batches_per_s", "bytes_per_s"):
                 assert s[key] == 0.0, key
@@ -340,3 +359,24 @@ def test_chainer_iterator_stats_and_verdict(no_leaks):
     assert s["epoch_batches"] == n // 2
     assert verdict.kind == "input-bound", s
     assert sum(s["worker_busy"]) * s["wall_s"] >= n * SAMPLE_S * 0.99
+
+
+@pytest.mark.parametrize("face", ["torch", "chainer"])
+def test_report_asked_for_before_the_workers_start(no_leaks, caplog, face):
+    """The torch and Chainer faces make their engine at the first iteration."""
+    logger = logging.getLogger(f"test_metrics.{face}")
+    if face == "torch":
+        dl = make_loader("torch", SlowData(12, delay_s=0), 1, 1)
+    else:
+        dl = mploader.MultiprocessIterator(SlowData(12, delay_s=0), batch_size=1, repeat=False, shuffle=False,
+                                           n_processes=1)
+    dl.log_stats_every(0.01, logger=logger)
+    with dl, caplog.at_level(logging.INFO, logger=logger.name):
+        timed_epoch(dl, work_s=WORK_S)
+    records = [r for r in caplog.records if r.name == logger.name]
+    assert records and all("batches/s" in r.getMessage() for r in records)
+    with pytest.raises(ValueError, match="log_stats_every needs worker processes"):
+        if face == "torch":
+            make_loader("torch", SlowData(4), 1, 0).log_stats_every(1)
+        else:
+            mploader.MultiprocessIterator(SlowData(4), batch_size=1, n_processes=0).log_stats_every(1)
