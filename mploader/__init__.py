@@ -6,12 +6,14 @@ from ._diagnose import Diagnosis, diagnose, set_postfix
 from ._engine import WorkerError
 from ._version import __version__ as __version__
 from .dataloader import DataLoader
+from .distributed import DistributedBatchSampler
 from .iterators import MultiprocessIterator, OrderSampler, ShuffleOrderSampler
 from .sampler import BatchSampler, FilterSampler, IntervalSampler, RandomSampler, Sampler, SequentialSampler
 from .sharded import ShardedDataLoader
 
 __all__ = [
     "DataLoader",
+    "DistributedBatchSampler",
     "WorkerError",
     "diagnose",
     "Diagnosis",

@@ -1,12 +1,14 @@
 """``mploader.DataLoader``: MXNet Gluon's DataLoader on the slot ring."""
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from . import _diagnose, _engine, _metrics, _pinning
+from . import _diagnose, _engine, _metrics, _pinning, _state
 from ._collate import Alloc, collate_gluon
+from ._errors import is_batch_error
 from ._options import LoaderOptions, check_callable, check_choice, check_dataset, check_int
 from .batchify import collate
 from .sampler import BatchSampler, RandomSampler, SequentialSampler
@@ -130,6 +132,8 @@ class DataLoader:
 
     #: The ``fetch`` class (GluonNLP's ShardedDataLoader replaces it).
     _fetch_class: type = BatchifyFetch
+    #: The face's name in checkpoint states.
+    _face = "gluon"
 
     def __init__(self, dataset: Any, batch_size: int | None = None, shuffle: bool = False, sampler: Any = None,
                  last_batch: str | None = None, batch_sampler: Any = None, batchify_fn: Callable | None = None,
@@ -168,6 +172,7 @@ class DataLoader:
         self._try_nopython = try_nopython
         self._fetch = self._fetch_class(batchify_fn)
         self._epoch = 0
+        self._ckpt = _state.MapState(self._face, dataset, batch_sampler)
         self._engine: _engine.Engine | None = None
         self._pinner: _pinning.HostPinner | None = None
         if options.num_workers > 0 and not options.thread_pool:
@@ -183,16 +188,12 @@ class DataLoader:
         """Number of batches per epoch (``len(batch_sampler)``)."""
         return len(self._batch_sampler)
 
-    def _tasks(self, epoch: int) -> Iterator[tuple]:
-        if self._shuffler is not None:
-            self._shuffler.set_epoch(epoch)
-        for i, indices in enumerate(self._batch_sampler):
-            yield epoch, i, indices
-
     def __iter__(self) -> _LoaderIter:
         epoch = self._epoch
         self._epoch += 1
-        tasks = self._tasks(epoch)
+        if self._shuffler is not None:
+            self._shuffler.set_epoch(epoch)
+        progress, tasks = self._ckpt.start_epoch(epoch)
         options = self._options
         gen: Iterator[Any]
         if self._engine is not None:
@@ -202,7 +203,66 @@ class DataLoader:
                                     options.timeout_s)
         else:
             gen = _engine.InlineRun(self._dataset, self._fetch, tasks, options.base_seed)
-        return _LoaderIter(gen, len(self), self._engine)
+        return _LoaderIter(gen, len(self), self._engine, progress)
+
+    # ---- checkpoints (issue 11; format in docs/design.md, "Checkpoint state") ----
+
+    def state_dict(self) -> dict:
+        """Where iteration stands, as a versioned, JSON-safe dict (``"version": 1``).
+
+        Callable at any time: before the first ``iter()``, mid-epoch, between
+        epochs.  The dict is a snapshot (later iteration does not change it) and is
+        JSON-serialisable whenever the batch sampler's and dataset's own
+        ``state_dict()`` are.  It holds the epoch, the number of batches the user
+        has received in it (batches in flight are not counted: they are built again
+        after a resume), the base seed, and the states of the batch sampler (taken
+        when the epoch started) and of the dataset, when they have ``state_dict``.
+        The worker count is not part of it: the state loads into a loader with any
+        ``num_workers`` (0 included) and the batches that follow are bit-identical,
+        random augmentations included (each batch's worker seeds its RNGs from
+        ``(seed, epoch, batch_index)``).  mploader extension: Gluon has no checkpoints.
+
+        Raises
+        ------
+        ValueError
+            A sampler whose order cannot be rebuilt, such as ``RandomSampler(seed=None)``
+            (its ``state_dict`` raises).
+        """
+        return self._ckpt.state(self._epoch, self._options.base_seed, {"num_workers": self._options.num_workers})
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from a :meth:`state_dict`: the next ``iter()`` continues the saved epoch
+        with the batch after the last one the saved loader returned, and later epochs
+        follow as they would have.  The loader adopts the saved seed (with workers
+        already running and another seed, they are restarted).  Any ``num_workers``.
+
+        Raises
+        ------
+        TypeError
+            ``state`` is not a dict.
+        mploader._state.StateMismatchError
+            (a ValueError) The state is of another version or kind, or from a loader
+            over a dataset of another length, with another batch sampler type, batch
+            size, ``last_batch`` or sampler type: the message prints both values.
+        """
+        loaded = self._ckpt.load(state)
+        self._epoch = loaded["epoch"]
+        self._adopt_seed(loaded["seed"])
+        if self._engine is not None and loaded["dataset_state"] is not None and self._engine.worker_pids():
+            self._engine.stop_workers()   # they hold the dataset as it was when they forked
+
+    def _adopt_seed(self, seed: int) -> None:
+        if seed == self._options.base_seed:
+            return
+        self._options = dataclasses.replace(self._options, seed=seed)
+        if self._shuffler is not None:
+            self._shuffler.load_state_dict({**self._shuffler.state_dict(), "seed": seed})
+        engine = self._engine
+        if engine is not None:
+            if engine.worker_pids():
+                engine.stop_workers()
+            engine.seed = seed
+            engine.spec = dataclasses.replace(engine.spec, seed=seed)
 
     def stats(self) -> dict:
         """Transport counters (ints): ``batches`` delivered; ``slot`` zero-copy through a
@@ -271,8 +331,10 @@ class DataLoader:
 class _LoaderIter:
     """One epoch of a :class:`DataLoader`; keeps the engine alive on its own."""
 
-    def __init__(self, gen: Iterator[Any], length: int, engine: Any) -> None:
+    def __init__(self, gen: Iterator[Any], length: int, engine: Any,
+                 progress: _state.MapProgress | None = None) -> None:
         self._gen = gen
+        self._progress = progress
         self._len = length
         self._engine = engine
 
@@ -280,7 +342,22 @@ class _LoaderIter:
         return self
 
     def __next__(self) -> Any:
-        return self._gen.__next__()  # not next(): no interrupt check after a Python-level call
+        progress = self._progress
+        try:
+            batch = self._gen.__next__()  # not next(): no interrupt check after a Python-level call
+        except StopIteration:
+            if progress is not None:
+                progress.finished = True
+            raise
+        except BaseException as exc:
+            if progress is not None and is_batch_error(exc):
+                progress.received()   # the dataset's exception used up its batch
+            raise
+        if progress is not None:
+            # In order: the prefix grows by one.  An attribute store, not a call: no
+            # interrupt can be raised between taking the batch and returning it.
+            progress.consumed += 1
+        return batch
 
     next = __next__
 

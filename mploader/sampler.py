@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _state
 from ._options import check_callable, check_choice, check_int
 
 __all__ = [
@@ -179,6 +180,36 @@ class RandomSampler(Sampler):
         """
         self._epoch = check_int("epoch", epoch, minimum=0)
 
+    def state_dict(self) -> dict:
+        """The checkpoint state ``{"version": 1, "kind": "RandomSampler", "length",
+        "seed", "epoch"}`` (JSON-safe): the next pass is the permutation of
+        ``(seed, epoch)``.
+
+        Raises
+        ------
+        ValueError
+            ``seed=None``: the order comes from NumPy's global random state, which a
+            checkpoint cannot rebuild (give the sampler a seed to resume it).
+        """
+        if self._seed is None:
+            raise ValueError("RandomSampler(seed=None) draws its order from NumPy's global random state, which a "
+                             "checkpoint cannot rebuild: pass seed=<int> to save and resume it")
+        return {"version": _state.VERSION, "kind": "RandomSampler", "length": self._length, "seed": self._seed,
+                "epoch": self._epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Adopt a :meth:`state_dict`: its seed and the epoch of the next pass.
+
+        Raises
+        ------
+        mploader._state.StateMismatchError
+            Another version or kind, or another ``length`` (both values printed).
+        """
+        _state.check_state(state, "RandomSampler", "sampler")
+        _state.check_same("length", state.get("length"), self._length, "sampler")
+        self._seed = check_int("seed", state.get("seed"), minimum=0)
+        self._epoch = check_int("epoch", state.get("epoch"), minimum=0)
+
     def __iter__(self) -> Iterator[int]:
         epoch = self._epoch
         self._epoch = epoch + 1
@@ -285,6 +316,37 @@ class BatchSampler(Sampler):
             elif self._last_batch == "rollover":
                 self._prev = batch
             # 'discard': drop it
+
+    def state_dict(self) -> dict:
+        """The checkpoint state (JSON-safe when the sampler's is): ``{"version": 1,
+        "kind": "BatchSampler", "batch_size", "last_batch", "sampler_type",
+        "carry"`` (the indices ``'rollover'`` carries into the next pass) ``,
+        "sampler"`` (the sampler's ``state_dict()``, or None when it has none)``}``.
+        Taken between passes, it rebuilds the next pass."""
+        return {"version": _state.VERSION, "kind": "BatchSampler", "batch_size": self._batch_size,
+                "last_batch": self._last_batch, "sampler_type": _state.type_name(self._sampler),
+                "carry": list(self._prev), "sampler": _state.save(self._sampler)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Adopt a :meth:`state_dict`: the carried indices and the sampler's state.
+
+        Raises
+        ------
+        mploader._state.StateMismatchError
+            Another version or kind, ``batch_size``, ``last_batch`` or sampler type
+            (both values printed), or a sampler state for a sampler without
+            ``load_state_dict``.
+        """
+        _state.check_state(state, "BatchSampler", "batch sampler")
+        for name, here in (("batch_size", self._batch_size), ("last_batch", self._last_batch),
+                           ("sampler_type", _state.type_name(self._sampler))):
+            _state.check_same(name, state.get(name), here, "batch sampler")
+        carry = list(state.get("carry", []))
+        if len(carry) >= self._batch_size:
+            raise _state.StateMismatchError(f"cannot load the state: carry must hold fewer than batch_size="
+                                            f"{self._batch_size} indices, got {len(carry)}")
+        _state.restore(self._sampler, state.get("sampler"), "sampler")
+        self._prev = carry
 
     def __len__(self) -> int:
         n = len(self._sampler)

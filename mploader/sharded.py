@@ -48,3 +48,4 @@ class ShardedDataLoader(DataLoader):
     """
 
     _fetch_class = ShardedFetch
+    _face = "gluonnlp"

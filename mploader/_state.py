@@ -1,0 +1,283 @@
+"""Checkpoint state: the versioned, JSON-safe dicts of ``state_dict()`` / ``load_state_dict()``.
+
+Every face saves where iteration stands as a plain dict (str keys; int, str, bool,
+None, lists and dicts as values -- JSON-serialisable whenever the user's own
+sampler/dataset states are), with ``"version": 1``.  docs/design.md ("Checkpoint
+state") records the format and why it resumes exactly with any ``num_workers``.
+
+Map-style loaders (Gluon, GluonNLP, PyTorch over a map-style dataset): the parent
+dispatches every batch, so the position is ``(epoch, batches consumed in the epoch)``
+plus what rebuilds the epoch's order: the state of the batch sampler (and of its
+iterator) as it was when the epoch started, and the base seed of the per-batch
+seeding ``(seed, epoch, batch_index)``.  Resuming rebuilds the epoch's batch stream
+from that state and starts the task stream at batch ``k``; a batch's indices and its
+worker seed do not depend on which worker builds it, so the batches (values,
+order, random augmentations) are the same for any worker count, 0 included.  A
+batch is consumed when the user received it (or received its dataset's exception):
+batches in flight at save time are built again after a resume.
+
+Samplers, batch samplers, their iterators and datasets that have ``state_dict`` /
+``load_state_dict`` are saved and restored by duck typing (:func:`save`,
+:func:`restore`); the others must yield the same order when iterated again from the
+same point (sequential, or seeded by the epoch) -- the resumed epoch is rebuilt by
+iterating the batch sampler and skipping the ``k`` batches consumed, without
+reading the dataset.
+"""
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+__all__ = ["VERSION", "StateMismatchError", "MapProgress", "MapState", "check_state", "check_same", "save",
+           "restore", "type_name"]
+
+#: The version of every state dict this module writes and accepts.
+VERSION = 1
+
+
+class StateMismatchError(ValueError):
+    """A state cannot be loaded into this loader: another version, another kind of
+    loader, or a configuration that changes the batches (dataset length, batch size,
+    sampler type).  The message names the field and prints both values."""
+
+
+def type_name(obj: Any) -> str:
+    """``module.QualifiedName`` of ``obj``'s type (how states record sampler types)."""
+    cls = type(obj)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def check_state(state: Any, kind: str, what: str = "loader") -> Mapping:
+    """Check that ``state`` is a state dict of version :data:`VERSION` and of ``kind``.
+
+    Raises
+    ------
+    TypeError
+        ``state`` is not a dict.
+    StateMismatchError
+        Another version or kind (both values printed).
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a dict returned by state_dict(), got {type(state).__name__}")
+    version = state.get("version")
+    if version != VERSION:
+        raise StateMismatchError(f"cannot load a {what} state of version {version!r}: this mploader reads "
+                                 f"version {VERSION}")
+    saved_kind = state.get("kind")
+    if saved_kind != kind:
+        raise StateMismatchError(f"cannot load the state: it is a state of kind {saved_kind!r}, this {what} "
+                                 f"takes kind {kind!r}")
+    return state
+
+
+def check_same(name: str, saved: Any, here: Any, what: str = "loader") -> None:
+    """Refuse a state whose ``name`` differs from this loader's, printing both values.
+
+    Raises
+    ------
+    StateMismatchError
+        ``saved != here``.
+    """
+    if saved != here:
+        raise StateMismatchError(f"cannot load the state: it was saved with {name}={saved!r}, this {what} has "
+                                 f"{name}={here!r}")
+
+
+def save(obj: Any) -> Any:
+    """A deep copy of ``obj.state_dict()``, or None when ``obj`` has no ``state_dict``
+    (the copy is a snapshot: later iteration does not change it)."""
+    method = getattr(obj, "state_dict", None)
+    if not callable(method):
+        return None
+    return copy.deepcopy(method())
+
+
+def restore(obj: Any, state: Any, what: str) -> None:
+    """``obj.load_state_dict(state)`` (with a copy of ``state``) unless ``state`` is None.
+
+    Raises
+    ------
+    StateMismatchError
+        ``state`` is not None but ``obj`` has no ``load_state_dict`` (the state was
+        saved from a ``what`` of another type).
+    """
+    if state is None:
+        return
+    method = getattr(obj, "load_state_dict", None)
+    if not callable(method):
+        raise StateMismatchError(f"cannot load the state: it holds a {what} state, but this loader's {what} "
+                                 f"({type_name(obj)}) has no load_state_dict")
+    method(copy.deepcopy(state))
+
+
+def _length(obj: Any) -> int | None:
+    try:
+        return len(obj)
+    except TypeError:
+        return None
+
+
+class MapProgress:
+    """Where one epoch of a map-style loader stands: its epoch, the batches the user
+    has received (``consumed``: the contiguous prefix; ``ahead``: batch indices
+    received beyond it, with ``in_order=False``), and the states that rebuild its
+    batch stream (taken when the epoch started)."""
+
+    __slots__ = ("epoch", "consumed", "ahead", "sampler_state", "iter_state", "finished", "error")
+
+    def __init__(self, epoch: int, consumed: int, ahead: set[int], sampler_state: Any, iter_state: Any,
+                 error: BaseException | None) -> None:
+        self.epoch = epoch
+        self.consumed = consumed
+        self.ahead = ahead
+        self.sampler_state = sampler_state
+        self.iter_state = iter_state
+        self.finished = False
+        self.error = error
+
+    def received(self, batch_index: int | None = None) -> None:
+        """The user received batch ``batch_index`` (None: the next one in order)."""
+        if batch_index is None or batch_index == self.consumed:
+            self.consumed += 1
+            ahead = self.ahead
+            while self.consumed in ahead:
+                ahead.discard(self.consumed)
+                self.consumed += 1
+        elif batch_index > self.consumed:
+            self.ahead.add(batch_index)
+
+
+class MapState:
+    """The checkpoint logic of a map-style loader, shared by the faces.
+
+    The face calls :meth:`start_epoch` from ``__iter__`` (it returns the epoch's
+    progress and its task stream ``(epoch, batch_index, indices)``), reports each
+    batch the user receives to the progress, and forwards ``state_dict`` /
+    ``load_state_dict``.
+
+    Parameters
+    ----------
+    face : str
+        The face's name, recorded in the state (informational: a state loads into
+        any map-style face with the same configuration).
+    dataset : object
+        The dataset; its ``state_dict`` is saved when it has one.
+    batch_sampler : iterable of index lists
+        Re-iterated every epoch.
+    """
+
+    def __init__(self, face: str, dataset: Any, batch_sampler: Any) -> None:
+        self.face = face
+        self.dataset = dataset
+        self.batch_sampler = batch_sampler
+        self.progress: MapProgress | None = None
+        self.pending: dict | None = None   # a loaded state, for the next start_epoch
+
+    # ---- iteration ----
+
+    def start_epoch(self, epoch: int) -> tuple[MapProgress, Iterator[tuple]]:
+        """Begin epoch ``epoch`` (or, after :meth:`load`, the loaded epoch at its
+        position; the face passes the epoch :meth:`load` returned).  The batch
+        sampler's state is taken before ``iter()`` and its iterator's right after;
+        both are deep copies."""
+        pending, self.pending = self.pending, None
+        consumed, ahead = 0, set()
+        error = None
+        sampler_state = iter_state = None
+        try:
+            sampler_state = save(self.batch_sampler)
+        except Exception as exc:  # noqa: BLE001 - raised by state_dict(), not by iteration
+            error = exc
+        it = iter(self.batch_sampler)
+        if pending is not None:
+            consumed, ahead = pending["batches_consumed"], set(pending["batches_ahead"])
+            if pending["batch_sampler_iter_state"] is not None:
+                restore(it, pending["batch_sampler_iter_state"], "batch sampler's iterator")
+        if error is None:
+            try:
+                iter_state = save(it) if pending is None else copy.deepcopy(pending["batch_sampler_iter_state"])
+            except Exception as exc:  # noqa: BLE001 - raised by state_dict(), not by iteration
+                error = exc
+        progress = MapProgress(epoch, consumed, ahead, sampler_state, iter_state, error)
+        self.progress = progress
+        return progress, self._tasks(epoch, it, consumed, frozenset(ahead))
+
+    @staticmethod
+    def _tasks(epoch: int, it: Iterator, start: int, skip: frozenset) -> Iterator[tuple]:
+        for i, indices in enumerate(it):
+            if i < start or i in skip:
+                continue   # consumed before the checkpoint: rebuilt, not loaded
+            yield epoch, i, indices
+
+    # ---- checkpoints ----
+
+    def state(self, next_epoch: int, seed: int, extra: dict | None = None) -> dict:
+        """The state dict (see docs/design.md, "Checkpoint state").
+
+        Raises
+        ------
+        Exception
+            Whatever the batch sampler's ``state_dict`` raised when the epoch started
+            (e.g. a ``RandomSampler(seed=None)``, whose order cannot be rebuilt).
+        """
+        progress = self.progress
+        if self.pending is not None:
+            return copy.deepcopy(self.pending)
+        if progress is None or progress.finished:
+            epoch, consumed, ahead = next_epoch, 0, []
+            sampler_state, iter_state = save(self.batch_sampler), None
+        else:
+            if progress.error is not None:
+                raise progress.error
+            epoch, consumed, ahead = progress.epoch, progress.consumed, sorted(progress.ahead)
+            sampler_state = copy.deepcopy(progress.sampler_state)
+            iter_state = copy.deepcopy(progress.iter_state)
+        state = {
+            "version": VERSION,
+            "kind": "map",
+            "face": self.face,
+            "dataset_length": _length(self.dataset),
+            "batch_sampler_type": type_name(self.batch_sampler),
+            "epoch": epoch,
+            "batches_consumed": consumed,
+            "batches_ahead": ahead,
+            "seed": seed,
+            "batch_sampler_state": sampler_state,
+            "batch_sampler_iter_state": iter_state,
+            "dataset_state": save(self.dataset),
+        }
+        if extra:
+            state.update(extra)
+        return state
+
+    def load(self, state: Any) -> dict:
+        """Check ``state`` against this loader and restore the batch sampler and the
+        dataset; the next :meth:`start_epoch` resumes at the saved position.  Returns
+        the checked state (the face adopts ``state["epoch"]`` and ``state["seed"]``).
+
+        Raises
+        ------
+        TypeError
+            ``state`` is not a dict.
+        StateMismatchError
+            Another version or kind, another dataset length or batch sampler type, a
+            batch sampler that refuses its state (batch size, sampler type), or a
+            position outside the epoch.
+        """
+        state = check_state(state, "map")
+        missing = [k for k in ("epoch", "batches_consumed", "batches_ahead", "seed", "batch_sampler_state",
+                               "batch_sampler_iter_state", "dataset_state") if k not in state]
+        if missing:
+            raise StateMismatchError(f"cannot load the state: it lacks {', '.join(missing)}")
+        check_same("dataset_length", state.get("dataset_length"), _length(self.dataset))
+        check_same("batch_sampler_type", state.get("batch_sampler_type"), type_name(self.batch_sampler))
+        for name in ("epoch", "batches_consumed", "seed"):
+            value = state[name]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise StateMismatchError(f"cannot load the state: {name} must be a non-negative int, got {value!r}")
+        restore(self.batch_sampler, state["batch_sampler_state"], "batch sampler")
+        restore(self.dataset, state["dataset_state"], "dataset")
+        self.pending = copy.deepcopy(dict(state))
+        self.progress = None
+        return self.pending
