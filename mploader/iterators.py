@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import os
 import queue
 import sys
@@ -28,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _diagnose, _engine, _metrics
+from . import _diagnose, _engine, _metrics, _state
 from ._chainer_state import OrderSampler, ShuffleOrderSampler, State, plan
 from ._errors import is_batch_error
 from ._options import MAX_SLOT_BYTES, LoaderOptions, check_callable, check_dataset, check_int
@@ -581,6 +582,76 @@ class MultiprocessIterator:
         except KeyError:
             guess = self.epoch + (self.current_position - self.batch_size) / self._epoch_size
             self._previous_epoch_detail = max(guess, 0.0) if self.epoch_detail > 0 else -1.0
+
+    def state_dict(self) -> dict:
+        """The iteration state as a versioned, JSON-safe dict (mploader extension).
+
+        The keys :meth:`serialize` writes -- ``current_position``, ``epoch``,
+        ``is_new_epoch``, ``order`` (a list of ints, or None without an order
+        sampler) and ``previous_epoch_detail`` (``-1.0`` for None) -- plus
+        ``version`` (1), ``kind`` (``"chainer"``), ``dataset_length``, ``batch_size``,
+        ``order_sampler_type`` and ``seed``.  Batches prefetched but not returned are
+        not part of it.  Like Chainer's snapshot it does not hold the order sampler's
+        random state: the orders of later epochs come from the order sampler of the
+        iterator that loads the state.
+        """
+        out: dict = {}
+
+        def saver(key: str, value: Any) -> Any:
+            out[key] = value.tolist() if isinstance(value, np.ndarray) else value
+            return value
+
+        self.serialize(saver)
+        return {"version": _state.VERSION, "kind": "chainer", "dataset_length": len(self.dataset),
+                "batch_size": self.batch_size, "order_sampler_type": self._order_sampler_type(), "seed": self._seed,
+                "current_position": int(out["current_position"]), "epoch": int(out["epoch"]),
+                "is_new_epoch": bool(out["is_new_epoch"]), "order": out.get("order"),
+                "previous_epoch_detail": float(out["previous_epoch_detail"])}
+
+    def _order_sampler_type(self) -> str | None:
+        return None if self.order_sampler is None else _state.type_name(self.order_sampler)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from a :meth:`state_dict` (any ``n_processes``; the batches that follow
+        are those the saved iterator would have returned, per-batch seeding included).
+        The iterator adopts the saved seed.
+
+        Raises
+        ------
+        TypeError
+            ``state`` is not a dict.
+        mploader._state.StateMismatchError
+            (a ValueError) Another version or kind, ``dataset_length``, ``batch_size``
+            or order sampler type (both values printed), or an order of another length.
+        NotImplementedError
+            The iterator was finalized (as ``reset``).
+        """
+        _state.check_state(state, "chainer", "iterator")
+        for name, here in (("dataset_length", len(self.dataset)), ("batch_size", self.batch_size),
+                           ("order_sampler_type", self._order_sampler_type())):
+            _state.check_same(name, state.get(name), here, "iterator")
+        order = state.get("order")
+        if order is not None and len(order) != self._epoch_size:
+            _state.check_same("len(order)", len(order), self._epoch_size, "iterator")
+        seed = check_int("seed", state.get("seed"), minimum=0)
+        if seed != self._seed:
+            self._seed = seed
+            self._options = dataclasses.replace(self._options, seed=seed)
+            with self._lock:
+                engine = self._engine
+                if engine is not None:
+                    if engine.worker_pids():
+                        engine.stop_workers()
+                    engine.seed = seed
+                    engine.spec = dataclasses.replace(engine.spec, seed=seed)
+            self._drop_run()
+
+        def loader(key: str, value: Any) -> Any:
+            if key not in state:
+                raise KeyError(key)
+            return np.asarray(state[key]) if isinstance(value, np.ndarray) else state[key]
+
+        self.serialize(loader)
 
     def __getstate__(self) -> dict:
         """The construction parameters and the iteration state; not the workers."""
