@@ -72,13 +72,30 @@ class _Task:
         return bool(self.box) or region.state(self.slot) == _ring.STATE_READY
 
 
-def _take(region: Any, task: _Task, timeout_s: float) -> bool:
+def _take(region: Any, task: _Task, timeout_s: float, spin_s: float = 0.0) -> bool:
     """Wait for ``task``'s slot and take E3; the lease lands in ``task.box`` inside the
     C call, so an interrupt raised right after it cannot drop it (the task keeps it
     and a later ``next()`` consumes it)."""
     if not task.box:
-        region.wait(task.slot, timeout_s, task.box)
+        region.wait(task.slot, timeout_s, task.box, spin_s)
     return bool(task.box)
+
+
+#: How long the parent spins on a slot before sleeping on its futex, where a core is
+#: free for it (seconds).  A cross-process wake costs 20-30 us; a batch that is a few
+#: microseconds from ready is cheaper to spin for.
+SPIN_S = 50e-6
+
+
+def spin_for(num_workers: int) -> float:
+    """:data:`SPIN_S` when this process may run on a core of its own besides one per
+    worker, else 0: where the workers need every core, spinning steals the CPU the
+    batch is being made on."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return SPIN_S if cores >= num_workers + 1 else 0.0
 
 
 class Scheduler:
@@ -96,6 +113,7 @@ class Scheduler:
         self.stale_pipe: set[int] = set()
         self.warned_full = False
         self.file_bytes = 0
+        self.spin_s = spin_for(engine.num_workers)
         self.stats: collections.Counter = collections.Counter()
         self.meter = Meter()         # input-pipeline metrics (_metrics; Run.__next__ times the waits)
 
@@ -273,7 +291,7 @@ class Scheduler:
                 if task.seq in task.worker.mailbox or (self._pump(task.worker, POLL_S)
                                                        and task.seq in task.worker.mailbox):
                     return
-            elif _take(region, task, POLL_S):
+            elif _take(region, task, POLL_S, self.spin_s):
                 if task.box[0].kind != _ring.KIND_PIPE:
                     return
                 # The batch did not fit the region: it follows on the pipe.
