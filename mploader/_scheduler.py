@@ -12,13 +12,10 @@ waiting ``next()`` notices ``closing`` within one wait slice, POLL_S).
 """
 from __future__ import annotations
 
-import _signal  # the C module behind signal (pyproject: no stub, ignored)
 import collections
 import itertools
 import os
 import pickle
-import signal
-import threading
 import time
 import warnings
 import weakref
@@ -31,6 +28,7 @@ from ._errors import UNKNOWN_STATUS, BatchFailure, WorkerError
 from ._executors import WorkerProcess, exited, stop_workers
 from ._metrics import Meter
 from ._protocol import PIPE_HEADER, encode_retire, encode_task
+from ._waiting import WaitClock, defer_signals, restore_signals, spin_for
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -79,23 +77,6 @@ def _take(region: Any, task: _Task, timeout_s: float, spin_s: float = 0.0) -> bo
     if not task.box:
         region.wait(task.slot, timeout_s, task.box, spin_s)
     return bool(task.box)
-
-
-#: How long the parent spins on a slot before sleeping on its futex, where a core is
-#: free for it (seconds).  A cross-process wake costs 20-30 us; a batch that is a few
-#: microseconds from ready is cheaper to spin for.
-SPIN_S = 50e-6
-
-
-def spin_for(num_workers: int) -> float:
-    """:data:`SPIN_S` when this process may run on a core of its own besides one per
-    worker, else 0: where the workers need every core, spinning steals the CPU the
-    batch is being made on."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return SPIN_S if cores >= num_workers + 1 else 0.0
 
 
 class Scheduler:
@@ -161,22 +142,22 @@ class Scheduler:
             if not pushback:
                 # Signals deferred: an interrupt inside the sampler's generator would
                 # end it (a generator that raises is finished) and silently cut the epoch.
-                old = _defer_signals()
+                old = defer_signals()
                 try:
                     pushback.extend(itertools.islice(run.source, 1))
                 finally:
-                    _restore_signals(old)
+                    restore_signals(old)
                 if not pushback:
                     run.exhausted = True
                     return
             source = pushback[0]
             worker = self._pick_worker(source[3] if len(source) > 3 else None)
             slot = self._free_slot()
-            old = _defer_signals()
+            old = defer_signals()
             try:
                 sent = self._dispatch(run, source, worker, slot)
             finally:
-                _restore_signals(old)
+                restore_signals(old)
             if not sent:
                 # Its pipe is closed: the worker is gone.  If it owed nothing it is
                 # replaced (next _pick_worker) and the task goes to the new one; if it
@@ -262,7 +243,7 @@ class Scheduler:
         slices (health, timeout and close checked as for an in-order wait)."""
         region = self.res.region
         oldest = run.inflight[0]
-        clock = _WaitClock()
+        clock = WaitClock()
         while True:
             for t in run.inflight:
                 if t.box or t.seq in t.worker.mailbox:
@@ -285,7 +266,7 @@ class Scheduler:
         mailbox).  Raises WorkerError, TimeoutError, RuntimeError (closed) or whatever
         ``on_slow`` raises; the task stays owed in every case."""
         region = self.res.region
-        clock = _WaitClock()
+        clock = WaitClock()
         while True:
             if task.via_pipe:
                 if task.seq in task.worker.mailbox or (self._pump(task.worker, POLL_S)
@@ -300,7 +281,7 @@ class Scheduler:
                 continue
             self._check_wait(task, clock, POLL_S)
 
-    def _check_wait(self, task: _Task, clock: _WaitClock, slice_s: float) -> None:
+    def _check_wait(self, task: _Task, clock: WaitClock, slice_s: float) -> None:
         engine = self.engine
         waited_s = clock.tick(slice_s)
         if engine._closing:
@@ -323,12 +304,12 @@ class Scheduler:
         between, so an interrupt at any point loses nothing (docs/design.md, "Faults")."""
         self._finish_task(task)
         if task.via_pipe:
-            old = _defer_signals()
+            old = defer_signals()
             try:
                 run.handoff = self._from_pipe(task)
                 task.consumed = True
             finally:
-                _restore_signals(old)
+                restore_signals(old)
             self.stats["batches"] += 1
             return
         lease = task.box[0]
@@ -341,7 +322,7 @@ class Scheduler:
             self.stats["grown"] += 1
             self._note_growth()
         nbytes = lease.nbytes
-        old = _defer_signals()
+        old = defer_signals()
         try:
             if lease.kind == _ring.KIND_ERROR:
                 failure = decode(lease, lease.desc_off, lease.desc_len, copy=True)
@@ -356,7 +337,7 @@ class Scheduler:
             task.box.clear()
             raise exc from exc.__cause__
         finally:
-            _restore_signals(old)
+            restore_signals(old)
         self.stats["batches"] += 1
         self.stats["fallback_inband" if lease.flags & _ring.FLAG_INBAND else "slot"] += 1
 
@@ -525,53 +506,6 @@ class Scheduler:
         self.stale_pipe.clear()
 
 
-class _WaitClock:
-    """Seconds spent waiting, counting each slice at most twice its length, so time
-    the process spent stopped (SIGSTOP, Ctrl-Z, a suspended container) is not
-    counted against ``timeout``."""
-
-    __slots__ = ("last", "waited", "warned")
-
-    def __init__(self) -> None:
-        self.last = time.monotonic()
-        self.waited = 0.0
-        self.warned = False
-
-    def tick(self, slice_s: float) -> float:
-        now = time.monotonic()
-        self.waited += min(now - self.last, 2 * slice_s)
-        self.last = now
-        return self.waited
-
-
-#: Signals whose Python handlers are held back during a dispatch or a handoff (not
-#: the synchronous fault signals, which cannot wait).
-_DEFERRABLE = frozenset(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGBUS,
-                                                    signal.SIGFPE, signal.SIGILL, signal.SIGTRAP, signal.SIGABRT}
-
-
-def _defer_signals() -> Any:
-    """Block signal delivery to this thread (only the main thread runs Python signal
-    handlers, so other threads need nothing); returns the mask to restore.  A
-    handler already triggered runs at the first check after this call -- before
-    anything of the critical section happened -- and one triggered later runs
-    after :func:`_restore_signals`, once it is complete."""
-    if threading.current_thread() is not _MAIN:
-        return None
-    return _sigmask(signal.SIG_BLOCK, _DEFERRABLE)
-
-
-def _restore_signals(old: Any) -> None:
-    if old is not None:
-        _sigmask(signal.SIG_SETMASK, old)
-
-
-# The C function itself: signal.pthread_sigmask converts the old mask to a set of
-# Signals enum members, which costs ~70 us for a full mask; ints are all we need.
-_sigmask = _signal.pthread_sigmask
-
-
-_MAIN = threading.main_thread()
 _clock = time.monotonic  # the metrics' clock (CLOCK_MONOTONIC, shared with the workers)
 
 

@@ -238,9 +238,9 @@ def test_spawned_workers_map_the_region_and_give_the_same_batches(method):
 
 
 def test_parent_spins_only_where_a_core_is_spare(monkeypatch):
-    from mploader import _scheduler
+    from mploader import _waiting
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert _scheduler.spin_for(15) == _scheduler.SPIN_S
-    assert _scheduler.spin_for(16) == 0.0
+    assert _waiting.spin_for(15) == _waiting.SPIN_S
+    assert _waiting.spin_for(16) == 0.0
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    assert _scheduler.spin_for(1) == _scheduler.SPIN_S and _scheduler.spin_for(2) == 0.0
+    assert _waiting.spin_for(1) == _waiting.SPIN_S and _waiting.spin_for(2) == 0.0
