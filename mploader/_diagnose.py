@@ -53,7 +53,7 @@ class Diagnosis:
         (the first batch, which includes worker start-up, left out); None if unknown.
     worker_busy : float or None
         Mean busy fraction of the workers over the epoch; None if not measured
-        (spawned workers, no workers).
+        (no workers, or none started yet).
     fallback_fraction : float or None
         Fraction of the epoch's batches dispatched while every slot was held.
     """
@@ -129,7 +129,7 @@ def diagnose(loader: Any) -> Diagnosis:
         workers = len(s.get("worker_busy", [])) or "the"
         if busy is None:
             return Diagnosis("input-bound", f"input-bound: the loop waited {_pct(frac)} of the time (worker busy time "
-                                            "is not measured for spawned workers); add workers or make "
+                                            "is not measured); add workers or make "
                                             "`__getitem__` cheaper", frac, busy, full)
         if busy >= BUSY_WORKERS:
             return Diagnosis("input-bound", f"input-bound: the loop waited {_pct(frac)} of the time while the "

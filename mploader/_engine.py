@@ -69,6 +69,9 @@ class _Resources:
         for w in self.workers:
             w.close_fds()
         self.workers = []
+        if self.busy is not None:
+            self.busy.forget()
+            self.busy = None
         if self.region is not None:
             self.region.forget()
             self.region = None
@@ -245,8 +248,9 @@ class Engine:
         if res.region is None:
             res.region = _ring.create_region(self.num_slots, self.shared_mem or 0)
             self._scheduler.file_bytes = res.region.file_bytes
-            if self.start_method == "fork" and res.busy is None:  # spawned workers cannot inherit it
-                res.busy = self._scheduler.meter.busy = BusyCells(self.num_workers)
+            if res.busy is None:
+                res.busy = BusyCells(self.num_workers, passed_fd=self.start_method != "fork")
+                self._scheduler.meter.busy = res.busy
         self._scheduler.replace_dead()
         have = {w.wid for w in res.workers if not w.retiring}
         for wid in range(self.num_workers):

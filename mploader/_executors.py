@@ -109,8 +109,8 @@ def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
                  drop_in_child: Callable[[], None], busy: tuple | None = None) -> WorkerProcess:
     """Start worker ``wid``: ``fork`` runs :func:`fork_main` in a child of this
     process; ``spawn``/``forkserver`` start a fresh interpreter that receives ``spec``
-    pickled and the region's memfd as a passed descriptor.  ``busy``: the forked
-    worker's busy-time cell (:meth:`mploader._metrics.BusyCells.boot`), or None."""
+    pickled and the region's memfd as a passed descriptor.  ``busy``: the worker's
+    busy-time cell (:meth:`mploader._metrics.BusyCells.boot`), or None."""
     parent_conn, child_conn = multiprocessing.Pipe(duplex=True)
     parent_pid = os.getpid()
     if start_method == "fork":
@@ -130,7 +130,7 @@ def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
         child_conn.close()
         return WorkerProcess(wid, pid, parent_conn)
     ctx: Any = multiprocessing.get_context(start_method)
-    boot = WorkerBoot(wid, parent_pid, child_conn, region_fd=multiprocessing.reduction.DupFd(region.fd))
+    boot = WorkerBoot(wid, parent_pid, child_conn, region_fd=multiprocessing.reduction.DupFd(region.fd), busy=busy)
     proc = ctx.Process(target=spawn_main, args=(spec, boot), name=f"mploader-worker-{wid}", daemon=True)
     proc.start()
     child_conn.close()

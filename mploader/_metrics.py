@@ -11,12 +11,13 @@ Two sides of the ring are measured (docs/metrics.md has the table of keys):
   per-epoch counters restart with every run (one epoch for the Gluon and torch
   faces).  bench/metrics_cost.py measures the cost;
 * the workers' :class:`BusyCells` -- a small shared array of ``(busy, start)``
-  float64 pairs, one cell per worker process, in an anonymous ``MAP_SHARED`` mapping
-  created in the parent before the workers fork (they inherit it; no descriptor is
-  involved).  A worker stores ``start`` when a task arrives and adds the task's
-  duration to ``busy`` after publishing its batch: plain stores into memory it
-  already maps, no system call.  Spawned/forkserver workers do not inherit the
-  mapping: their busy fraction is reported as None (unknown).
+  float64 pairs, one cell per worker process.  For forked workers it is an anonymous
+  ``MAP_SHARED`` mapping created in the parent before the workers fork (they inherit
+  it; no descriptor is involved); for spawn/forkserver workers a memfd mapped by the
+  parent, passed to each worker as a descriptor the way the region's is
+  (``multiprocessing.reduction.DupFd``) and mapped once at start-up.  A worker stores
+  ``start`` when a task arrives and adds the task's duration to ``busy`` after
+  publishing its batch: plain stores into memory it already maps, no system call.
 
 Clock: ``time.monotonic()`` is ``CLOCK_MONOTONIC`` on Linux, one clock for every
 process of the machine, so a worker's ``start`` can be compared with the parent's
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import collections
 import mmap
+import multiprocessing.reduction
+import os
 import struct
 import time
 from collections.abc import Callable
@@ -137,7 +140,8 @@ class Meter:
 
 
 class BusyCells:
-    """Per-worker-process busy counters in an anonymous shared mapping (fork only).
+    """Per-worker-process busy counters in a shared mapping: anonymous for forked
+    workers, a memfd passed to spawned ones (``passed_fd=True``).
 
     Cell ``c`` is written by one worker process at a time: a new process takes a
     cell whose previous owner has been reaped, after the parent folded that owner's
@@ -147,9 +151,20 @@ class BusyCells:
     ``maxtasksperchild``), the new process is not measured (cell -1).
     """
 
-    def __init__(self, num_workers: int) -> None:
+    def __init__(self, num_workers: int, passed_fd: bool = False) -> None:
         self.capacity = 2 * num_workers + 16
-        self.map: mmap.mmap | None = mmap.mmap(-1, self.capacity * _CELL.size, flags=mmap.MAP_SHARED)
+        self.map_bytes = self.capacity * _CELL.size
+        self.fd = -1
+        if passed_fd:
+            self.fd = os.memfd_create("mploader-busy", os.MFD_CLOEXEC)
+            try:
+                os.ftruncate(self.fd, self.map_bytes)
+                self.map: mmap.mmap | None = mmap.mmap(self.fd, self.map_bytes)
+            except BaseException:
+                os.close(self.fd)
+                raise
+        else:
+            self.map = mmap.mmap(-1, self.map_bytes, flags=mmap.MAP_SHARED)
         self.owners: list[Any] = [None] * self.capacity     # WorkerProcess or None
         self.retired = [0.0] * num_workers
 
@@ -173,8 +188,14 @@ class BusyCells:
             self.owners[cell] = worker
 
     def boot(self, cell: int) -> tuple | None:
-        """What a forked worker needs to write its cell (None: not measured)."""
-        return None if cell < 0 or self.map is None else (self.map, cell)
+        """What a worker needs to write its cell (None: not measured): ``(mapping,
+        cell)`` for a forked worker, ``(DupFd, map_bytes, cell)`` for a spawned one
+        (made just before it starts, as the region's descriptor)."""
+        if cell < 0 or self.map is None:
+            return None
+        if self.fd >= 0:
+            return (multiprocessing.reduction.DupFd(self.fd), self.map_bytes, cell)
+        return (self.map, cell)
 
     def totals(self, now: float) -> list[float]:
         """Busy seconds per worker id up to ``now`` (a task in progress counted)."""
@@ -209,8 +230,16 @@ class BusyCells:
             if owner is not None and owner.wid < len(self.retired):
                 self.retired[owner.wid] += _CELL.unpack_from(m, cell * _CELL.size)[0]
         self.owners = [None] * self.capacity
-        self.map = None
-        m.close()
+        self.forget()
+
+    def forget(self) -> None:
+        """Unmap and close the descriptor (also in a forked child that must not hold them)."""
+        m, self.map = self.map, None
+        if m is not None:
+            m.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 class WorkerBusy:
@@ -222,7 +251,15 @@ class WorkerBusy:
     __slots__ = ("cell", "busy", "start_t")
 
     def __init__(self, boot: tuple) -> None:
-        mapping, cell = boot
+        if len(boot) == 3:  # spawned: map the passed memfd once
+            dup, size, cell = boot
+            fd = dup.detach()
+            try:
+                mapping = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        else:
+            mapping, cell = boot
         self.cell = memoryview(mapping).cast("d")[2 * cell:2 * cell + 2]  # exported in the worker only
         self.busy = self.cell[0]
         self.start_t = 0.0

@@ -76,7 +76,7 @@ class WorkerBoot:
     region_fd: Any = None                        # spawn: a DupFd of the region's memfd
     region: Any = None                           # fork: the inherited Region
     drop: Callable[[], None] | None = None       # fork: closes what this child must not hold
-    busy: tuple | None = None                    # fork: its busy-time cell (mploader._metrics)
+    busy: tuple | None = None                    # its busy-time cell (mploader._metrics.BusyCells.boot)
 
 
 def _fresh_std_streams() -> None:

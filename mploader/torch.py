@@ -224,8 +224,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         ``mploader.DataLoader.stats`` (docs/metrics.md): ``wait_s`` is the time spent
         in the engine's ``next()`` (turning arrays into tensors is not counted).
         Zeros before the first multi-worker iteration, after ``close()`` and with
-        ``num_workers=0``; ``worker_busy`` is None per worker for spawn/forkserver
-        workers."""
+        ``num_workers=0``."""
         if self._mpl_engine is None:
             out = {"batches": 0, "slot": 0, "fallback_inband": 0, "fallback_pipe": 0, "no_free_slot": 0,
                    "grown": 0, "errors": 0, "num_slots": 0, "shm_bytes": 0}

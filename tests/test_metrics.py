@@ -235,15 +235,32 @@ def _fetch_pairs(dataset, indices, alloc):
     return np.stack([dataset[i] for i in indices])
 
 
-def test_spawned_workers_report_busy_unknown():
-    engine = Engine(SlowData(4, delay_s=0), _fetch_pairs, num_workers=1, prefetch=1, shared_mem=None,
-                    timeout_s=120, seed=0, start_method="spawn")
+@pytest.fixture
+def mp_helpers():
+    """multiprocessing's resource tracker and resource sharer (which passes the ring's
+    and the busy cells' memfds to spawned workers) are per-process daemons that live
+    until exit: start them before ``no_leaks`` takes its snapshot."""
+    import multiprocessing.reduction
+    import multiprocessing.resource_tracker
+    import os
+    multiprocessing.resource_tracker.ensure_running()
+    multiprocessing.reduction.DupFd(os.dup(0))  # starts the sharer's listener
+
+
+def test_spawned_workers_report_busy_through_a_passed_memfd(mp_helpers, no_leaks):
+    import multiprocessing
+    n = 6
+    engine = Engine(SlowData(n), _fetch_pairs, num_workers=1, prefetch=2, shared_mem=None, timeout_s=120, seed=0,
+                    start_method="spawn")
     try:
-        got = sum(1 for _ in engine.run([(0, b, [b]) for b in range(2)]))
+        got = sum(1 for _ in engine.run([(0, b, [b]) for b in range(n)]))
         s = engine.stats()
     finally:
         engine.close()
-    assert s["worker_busy"] == [None] and s["epoch_batches"] == got == 2
+        multiprocessing.active_children()  # multiprocessing's own record of the last Process
+    assert got == s["epoch_batches"] == n
+    assert len(s["worker_busy"]) == 1 and s["worker_busy"][0] is not None
+    assert s["worker_busy"][0] * s["wall_s"] >= n * SAMPLE_S * 0.99
 
 
 # ---- diagnose's rules, from stats dicts ----
@@ -271,7 +288,7 @@ def _stats(**kw):
      "transport-bound: the loop waited 50 % of the time while the 2 workers were only 15 % busy (30 % of batches "
      "came through a pipe); raise prefetch, or return arrays instead of Python objects"),
     (_stats(wait_s=5.0, worker_busy=[None]), "input-bound",
-     "input-bound: the loop waited 50 % of the time (worker busy time is not measured for spawned workers); add "
+     "input-bound: the loop waited 50 % of the time (worker busy time is not measured); add "
      "workers or make `__getitem__` cheaper"),
     # The first batch (worker start-up) is left out: 2 s of a 2 s wait, 10 s wall.
     (_stats(wait_s=2.0, first_batch_s=2.0), "compute-bound",
