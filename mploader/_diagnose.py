@@ -99,9 +99,10 @@ def diagnose(loader: Any) -> Diagnosis:
         rules, in order: fewer than ``MIN_BATCHES`` batches -> unknown; at least
         ``TRANSPORT_FALLBACK`` of the batches dispatched with every slot held ->
         transport-bound; the loop waited at least ``INPUT_WAIT`` of the steady-state
-        time (after the first batch) -> input-bound if the workers were at least
-        ``BUSY_WORKERS`` busy (or busy time is not measured), transport-bound if they
-        idled; otherwise compute-bound.
+        time (after the first batch) -> input-bound if there are no worker processes
+        (the loop loads in-process) or the workers were at least ``BUSY_WORKERS`` busy
+        (or busy time is not measured), transport-bound if they idled; otherwise
+        compute-bound.
 
     Raises
     ------
@@ -111,8 +112,8 @@ def diagnose(loader: Any) -> Diagnosis:
     s = _stats_of(loader)
     n = int(s.get("epoch_batches", 0))
     if n < MIN_BATCHES:
-        return Diagnosis("unknown", f"unknown: {n} batches measured in this epoch, {MIN_BATCHES} needed "
-                                    "(metrics are kept only for loaders with worker processes)")
+        return Diagnosis("unknown", f"unknown: {n} batches measured in this epoch, {MIN_BATCHES} needed for a "
+                                    "verdict")
     full = int(s.get("epoch_no_free_slot", 0)) / n
     busy_list = [b for b in s.get("worker_busy", []) if b is not None]
     busy = sum(busy_list) / len(busy_list) if busy_list else None
@@ -126,7 +127,11 @@ def diagnose(loader: Any) -> Diagnosis:
     if frac is None:
         return Diagnosis("unknown", "unknown: the epoch's wall time is not measured yet", None, busy, full)
     if frac >= INPUT_WAIT:
-        workers = len(s.get("worker_busy", [])) or "the"
+        workers = len(s.get("worker_busy", []))
+        if not workers:
+            return Diagnosis("input-bound", f"input-bound: the loop waited {_pct(frac)} of the time loading batches "
+                                            "in this process (num_workers=0 or thread_pool=True); use worker "
+                                            "processes or make `__getitem__` cheaper", frac, busy, full)
         if busy is None:
             return Diagnosis("input-bound", f"input-bound: the loop waited {_pct(frac)} of the time (worker busy time "
                                             "is not measured); add workers or make "

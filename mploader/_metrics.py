@@ -37,7 +37,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._engine import Engine
 
-__all__ = ["Meter", "BusyCells", "WorkerBusy", "engine_stats", "empty_stats", "METRIC_KEYS"]
+__all__ = ["Meter", "BusyCells", "WorkerBusy", "MeteredRun", "engine_stats", "inline_stats", "empty_stats",
+           "METRIC_KEYS"]
 
 _now = time.monotonic
 
@@ -274,6 +275,38 @@ class WorkerBusy:
         cell[1] = 0.0
 
 
+class MeteredRun:
+    """An in-process run (``num_workers=0`` or ``thread_pool=True``) with its
+    ``next()`` timed as the engine's: the time blocked in it is the loading itself (or
+    the wait for a pool thread).  ``counts["batches"]`` counts its batches."""
+
+    __slots__ = ("gen", "meter", "counts")
+
+    def __init__(self, gen: Any, meter: Meter, counts: dict) -> None:
+        self.gen = gen
+        self.meter = meter
+        self.counts = counts
+        meter.begin_epoch()
+
+    def __iter__(self) -> MeteredRun:
+        return self
+
+    def __next__(self) -> Any:
+        meter = self.meter
+        t0 = _now()
+        if t0 >= meter.tick_at:
+            meter.tick(t0, self.counts)
+        try:
+            batch = self.gen.__next__()
+        except StopIteration:
+            meter.finish(_now())
+            raise
+        finally:
+            meter.wait += _now() - t0
+        self.counts["batches"] += 1
+        return batch
+
+
 # ---- stats ----
 
 
@@ -282,6 +315,20 @@ def empty_stats() -> dict:
     return {"wait_s": 0.0, "wall_s": 0.0, "first_batch_s": 0.0, "epoch_batches": 0, "epoch_no_free_slot": 0,
             "epoch_fallback_pipe": 0, "batches_per_s": 0.0, "bytes_per_s": 0.0, "worker_busy": [],
             "ready_batches": 0, "held_slots": 0}
+
+
+def inline_stats(meter: Meter, counts: dict) -> dict:
+    """The metric keys of an in-process loader (:class:`MeteredRun`): no workers, no
+    ring, so ``worker_busy`` is empty and bytes, occupancy and fallbacks are zero."""
+    out = empty_stats()
+    if meter.first:
+        end = meter.end or _now()
+        out["wait_s"] = meter.wait
+        out["wall_s"] = max(1e-9, end - meter.first)
+        out["first_batch_s"] = meter.first_batch if meter.ticks >= 2 else meter.wait
+        out["epoch_batches"] = counts["batches"] - meter.base_counts.get("batches", 0)
+        out["batches_per_s"] = meter.rates(end, counts["batches"])[0]
+    return out
 
 
 def engine_stats(engine: Engine, meter: Meter) -> dict:

@@ -174,6 +174,8 @@ class DataLoader:
         self._epoch = 0
         self._ckpt = _state.MapState(self._face, dataset, batch_sampler)
         self._engine: _engine.Engine | None = None
+        self._meter = _metrics.Meter()   # in-process loading only (the engine has its own)
+        self._meter_counts = {"batches": 0}
         self._pinner: _pinning.HostPinner | None = None
         if options.num_workers > 0 and not options.thread_pool:
             runtime = _pinning.cuda_runtime(self._pin_device_id) if self._pin_memory and not options.copy else None
@@ -199,10 +201,12 @@ class DataLoader:
         if self._engine is not None:
             gen = self._engine.run(tasks)
         elif options.thread_pool and options.num_workers > 0:
-            gen = _engine.ThreadRun(self._dataset, self._fetch, tasks, options.num_workers, options.in_flight,
-                                    options.timeout_s)
+            gen = _metrics.MeteredRun(_engine.ThreadRun(self._dataset, self._fetch, tasks, options.num_workers,
+                                                        options.in_flight, options.timeout_s),
+                                      self._meter, self._meter_counts)
         else:
-            gen = _engine.InlineRun(self._dataset, self._fetch, tasks, options.base_seed)
+            gen = _metrics.MeteredRun(_engine.InlineRun(self._dataset, self._fetch, tasks, options.base_seed),
+                                      self._meter, self._meter_counts)
         return _LoaderIter(gen, len(self), self._engine, progress)
 
     # ---- checkpoints (issue 11; format in docs/design.md, "Checkpoint state") ----
@@ -273,20 +277,21 @@ class DataLoader:
         slot's first batch counts); ``errors`` re-raised worker exceptions;
         ``num_slots``; ``shm_bytes`` (bytes of shared memory the ring spans).
 
-        Input-pipeline metrics of the current epoch (docs/metrics.md; zero without
-        worker processes): ``wait_s`` (float, seconds the caller was blocked in
-        ``next()``), ``wall_s`` (seconds since the epoch's first batch was requested,
-        until its StopIteration), ``first_batch_s``, ``epoch_batches``,
-        ``epoch_no_free_slot``, ``epoch_fallback_pipe``; ``batches_per_s`` and
-        ``bytes_per_s`` over the last ~10 s; ``worker_busy`` (list of float in [0, 1]
-        per worker id, the fraction of the epoch it spent on tasks; None where not
-        measured); ``ready_batches`` (published, waiting to be returned) and
-        ``held_slots`` (slots held by batches the caller still refers to).
+        Input-pipeline metrics of the current epoch (docs/metrics.md; without worker
+        processes only the times and rates, as loading happens inside ``next()``):
+        ``wait_s`` (float, seconds the caller was blocked in ``next()``), ``wall_s``
+        (seconds since the epoch's first batch was requested, until its
+        StopIteration), ``first_batch_s``, ``epoch_batches``, ``epoch_no_free_slot``,
+        ``epoch_fallback_pipe``; ``batches_per_s`` and ``bytes_per_s`` over the last
+        ~10 s; ``worker_busy`` (list of float in [0, 1] per worker id, the fraction of
+        the epoch it spent on tasks; None where not measured); ``ready_batches``
+        (published, waiting to be returned) and ``held_slots`` (slots held by batches
+        the caller still refers to).
         :func:`mploader.diagnose` turns them into a verdict."""
         if self._engine is None:
             out = {"batches": 0, "slot": 0, "fallback_inband": 0, "fallback_pipe": 0, "no_free_slot": 0,
                    "grown": 0, "errors": 0, "num_slots": 0, "shm_bytes": 0}
-            out.update(_metrics.empty_stats())
+            out.update(_metrics.inline_stats(self._meter, self._meter_counts))
             return out
         return self._engine.stats()
 

@@ -275,7 +275,10 @@ def _stats(**kw):
 
 @pytest.mark.parametrize("stats, kind, message", [
     (_stats(epoch_batches=7), "unknown",
-     "unknown: 7 batches measured in this epoch, 8 needed (metrics are kept only for loaders with worker processes)"),
+     "unknown: 7 batches measured in this epoch, 8 needed for a verdict"),
+    (_stats(wait_s=3.0, worker_busy=[]), "input-bound",
+     "input-bound: the loop waited 30 % of the time loading batches in this process (num_workers=0 or "
+     "thread_pool=True); use worker processes or make `__getitem__` cheaper"),
     (_stats(wait_s=3.8, worker_busy=[0.97, 0.97]), "input-bound",
      "input-bound: the loop waited 38 % of the time while the 2 workers were 97 % busy; add workers or make "
      "`__getitem__` cheaper"),
@@ -304,6 +307,28 @@ def test_diagnose_refuses_what_is_not_a_loader():
     with pytest.raises(TypeError, match=r"loader must be an mploader loader \(with a stats\(\) method\) or its "
                                         r"stats\(\) dict, got int"):
         mploader.diagnose(3)
+
+
+@pytest.mark.parametrize("thread_pool", [False, True])
+def test_in_process_loading_is_measured_too(thread_pool):
+    """num_workers=0 / thread_pool=True (Gluon face): the loop's wait is the loading."""
+    n = 16
+    workers = 2 if thread_pool else 0
+    with mploader.DataLoader(SlowData(n), batch_size=1, num_workers=workers, thread_pool=thread_pool) as dl:
+        ref_wait, ref_wall, _ = timed_epoch(dl)
+        s = dl.stats()
+        slow = mploader.diagnose(dl)
+    with mploader.DataLoader(SlowData(n, delay_s=0), batch_size=1, num_workers=workers,
+                             thread_pool=thread_pool) as dl:
+        timed_epoch(dl, work_s=WORK_S)
+        fast = mploader.diagnose(dl)
+    assert s["epoch_batches"] == n and s["worker_busy"] == []
+    assert s["wait_s"] <= ref_wait and s["wall_s"] <= ref_wall
+    if not thread_pool:  # every sample was loaded inside next()
+        assert s["wait_s"] >= n * SAMPLE_S * 0.99
+    assert s["wait_s"] > 0.5 * s["wall_s"]
+    assert slow.kind == "input-bound" and "loading batches in this process" in slow.message
+    assert fast.kind == "compute-bound", fast
 
 
 # ---- reports ----
