@@ -15,21 +15,20 @@ docs/faces.md describes how this face maps onto the engine.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import os
-import queue
 import sys
 import threading
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from . import _diagnose, _engine, _metrics, _state
+from ._chainer_inline import InlineLoader, InlineRun, fetch_examples
 from ._chainer_state import OrderSampler, ShuffleOrderSampler, State, plan
 from ._errors import is_batch_error
 from ._options import MAX_SLOT_BYTES, LoaderOptions, check_callable, check_dataset, check_int
@@ -37,19 +36,6 @@ from ._options import MAX_SLOT_BYTES, LoaderOptions, check_callable, check_datas
 __all__ = ["MultiprocessIterator", "OrderSampler", "ShuffleOrderSampler"]
 
 
-def _caller_stacklevel() -> int:
-    """``stacklevel`` that attributes a warning issued by ``_warn_stalled`` to the first
-    frame outside the mploader package (the caller of ``next()``)."""
-    pkg = os.path.dirname(__file__)
-    frame: types.FrameType | None = sys._getframe(1)
-    level = 2  # _on_slow is level 2 (_warn_stalled is 1)
-    while frame is not None and os.path.dirname(frame.f_code.co_filename) == pkg:
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-#: The same for the in-process path (_warn_stalled <- _InlineRun.__next__ <- __next__ <- caller).
-_INLINE_STACKLEVEL = 4
 #: Slot bytes per example beyond ``shared_mem`` (64-byte alignment, the example's
 #: entry in the pickled layout), and per slot (the rest of the layout).
 _EXAMPLE_LAYOUT_BYTES = 128
@@ -58,110 +44,23 @@ _SLOT_LAYOUT_BYTES = 4096
 _CHAINER_NAMES = {"num_workers": "n_processes", "prefetch": "n_prefetch", "slow_after_s": "dataset_timeout"}
 
 
-def _fetch_examples(dataset: Any, indices: list, alloc: Callable) -> list:
-    """A Chainer batch: the list of examples exactly as the dataset returns them."""
-    return [dataset[i] for i in indices]
-
-
-def _warn_stalled(waited_s: float, stacklevel: int) -> None:
+def _warn_stalled(waited_s: float) -> None:
+    """Issue ``TimeoutWarning``, attributed to the first frame outside the mploader
+    package (the caller of ``next()``), however deep the engine's frames are."""
+    pkg = os.path.dirname(__file__)
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 2  # warnings.warn's stacklevel of that frame (1 is this function)
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == pkg:
+        frame, level = frame.f_back, level + 1
     warnings.warn(
         f"a batch of the dataset has been loading for {waited_s:.1f} s (dataset_timeout): the dataset may be "
         "stalled (a dead lock in OpenCV or OpenMP after fork is a common cause; try OMP_NUM_THREADS=1 or "
         "cv2.setNumThreads(0)); raise dataset_timeout, or pass None to silence this warning",
-        MultiprocessIterator.TimeoutWarning, stacklevel=stacklevel)
+        MultiprocessIterator.TimeoutWarning, stacklevel=level)
 
 
 def _on_slow(seq: int, waited_s: float) -> None:
-    _warn_stalled(waited_s, _caller_stacklevel())
-
-
-def _serve(requests: queue.SimpleQueue) -> None:
-    """The loop of an :class:`_InlineLoader` thread: run each request, until None."""
-    while True:
-        item = requests.get()
-        if item is None:
-            return
-        fn, future = item
-        if not future.set_running_or_notify_cancel():
-            continue
-        try:
-            future.set_result(fn())
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-            future.set_exception(exc)
-        del item, fn, future
-
-
-class _InlineLoader:
-    """One long-lived daemon thread that loads the in-process batches of one iterator.
-
-    Started at the first request and reused for every later batch and run; it holds
-    only its request queue, so it never keeps the iterator alive.  :meth:`close` lets
-    it end after the request it is running (a daemon thread: a dataset stuck forever
-    cannot block interpreter exit).
-    """
-
-    def __init__(self) -> None:
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        if self._thread is None:
-            self._thread = threading.Thread(target=_serve, args=(self._requests,),
-                                            name="mploader-chainer-inline", daemon=True)
-            self._thread.start()
-        self._requests.put((fn, future))
-        return future
-
-    def close(self) -> None:
-        """Let the thread end once its current request is done.  Idempotent."""
-        if self._thread is not None:
-            self._requests.put(None)
-            self._thread = None
-
-
-class _InlineRun:
-    """``n_processes=0``: load each batch in this process when asked for.
-
-    With a ``dataset_timeout``, the iterator's :class:`_InlineLoader` thread loads the
-    batch while this one watches the clock (as Chainer does for its first, measuring
-    batch), so the TimeoutWarning is issued from ``next()``.  ``consumed`` tells
-    whether the last call used up a task (a batch returned or the dataset's exception
-    raised; an interruption such as KeyboardInterrupt leaves the batch owed).
-    """
-
-    def __init__(self, dataset: Any, tasks: Iterator[tuple], seed: int, timeout_s: float | None,
-                 loader: _InlineLoader | None) -> None:
-        self._inline = _engine.InlineRun(dataset, _fetch_examples, tasks, seed)
-        self._timeout_s = timeout_s
-        self._loader = loader
-        self.consumed = False
-
-    def __iter__(self) -> _InlineRun:
-        return self
-
-    def __next__(self) -> list:
-        self.consumed = False
-        if self._timeout_s is None or self._loader is None:
-            try:
-                batch = next(self._inline)
-            except StopIteration:
-                raise
-            except Exception:
-                self.consumed = True
-                raise
-            self.consumed = True
-            return batch
-        future = self._loader.submit(self._inline.__next__)
-        done, _ = concurrent.futures.wait([future], self._timeout_s)
-        if not done:
-            _warn_stalled(self._timeout_s, _INLINE_STACKLEVEL)
-        error = future.exception()
-        if error is not None:
-            self.consumed = isinstance(error, Exception) and not isinstance(error, StopIteration)
-            raise error
-        self.consumed = True
-        return future.result()
+    _warn_stalled(waited_s)
 
 
 class _Run:
@@ -181,7 +80,7 @@ class _Run:
         (the next call goes on with the following batch); a dead worker, a
         timeout, closing or an interruption while waiting leave the batch owed.
         """
-        if isinstance(self.batches, _InlineRun):
+        if isinstance(self.batches, InlineRun):
             return self.batches.consumed
         return is_batch_error(exc)
 
@@ -326,7 +225,7 @@ class MultiprocessIterator:
         self._seed = options.base_seed
         self._lock = threading.Lock()
         self._engine: _engine.Engine | None = None
-        self._inline_loader: _InlineLoader | None = None
+        self._inline_loader: InlineLoader | None = None
         self._run: _Run | None = None
         self._report: tuple | None = None  # log_stats_every's (seconds, logger), for the engine to come
         self._finalized = False
@@ -411,16 +310,16 @@ class MultiprocessIterator:
             loader = None
             if self.dataset_timeout is not None:
                 if self._inline_loader is None:
-                    self._inline_loader = _InlineLoader()
+                    self._inline_loader = InlineLoader()
                     weakref.finalize(self, self._inline_loader.close)
                 loader = self._inline_loader
-            batches: Any = _InlineRun(self.dataset, tasks, self._seed, self.dataset_timeout, loader)
+            batches: Any = InlineRun(self.dataset, tasks, self._seed, self.dataset_timeout, loader, _warn_stalled)
         else:
             with self._lock:
                 if self._finalized:
                     raise RuntimeError("this MultiprocessIterator was finalized")
                 if self._engine is None:
-                    self._engine = _engine.Engine(self.dataset, _fetch_examples, on_slow=_on_slow,
+                    self._engine = _engine.Engine(self.dataset, fetch_examples, on_slow=_on_slow,
                                                   **self._options.engine_kwargs())
                     # The engine and its current run refer to each other; stop the
                     # workers as soon as this iterator is gone, not at the next cyclic GC.

@@ -1,0 +1,113 @@
+"""The Chainer face with ``n_processes=0``: batches loaded in the calling process.
+
+With a ``dataset_timeout``, one long-lived helper thread per iterator
+(:class:`InlineLoader`) loads the batches while ``next()`` watches the clock, so a
+stalled dataset is reported from ``next()``; without one, the batch is loaded in the
+calling thread.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from . import _engine
+
+__all__ = ["InlineLoader", "InlineRun", "fetch_examples"]
+
+
+def fetch_examples(dataset: Any, indices: list, alloc: Callable) -> list:
+    """A Chainer batch: the list of examples exactly as the dataset returns them."""
+    return [dataset[i] for i in indices]
+
+
+def _serve(requests: queue.SimpleQueue) -> None:
+    """The loop of an :class:`InlineLoader` thread: run each request, until None."""
+    while True:
+        item = requests.get()
+        if item is None:
+            return
+        fn, future = item
+        if not future.set_running_or_notify_cancel():
+            continue
+        try:
+            future.set_result(fn())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            future.set_exception(exc)
+        del item, fn, future
+
+
+class InlineLoader:
+    """One long-lived daemon thread that loads the in-process batches of one iterator.
+
+    Started at the first request and reused for every later batch and run; it holds
+    only its request queue, so it never keeps the iterator alive.  :meth:`close` lets
+    it end after the request it is running (a daemon thread: a dataset stuck forever
+    cannot block interpreter exit).
+    """
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=_serve, args=(self._requests,),
+                                            name="mploader-chainer-inline", daemon=True)
+            self._thread.start()
+        self._requests.put((fn, future))
+        return future
+
+    def close(self) -> None:
+        """Let the thread end once its current request is done.  Idempotent."""
+        if self._thread is not None:
+            self._requests.put(None)
+            self._thread = None
+
+
+class InlineRun:
+    """``n_processes=0``: load each batch in this process when asked for.
+
+    With a ``dataset_timeout``, the iterator's :class:`InlineLoader` thread loads the
+    batch while this one watches the clock (as Chainer does for its first, measuring
+    batch), so the TimeoutWarning is issued from ``next()``.  ``consumed`` tells
+    whether the last call used up a task (a batch returned or the dataset's exception
+    raised; an interruption such as KeyboardInterrupt leaves the batch owed).
+    """
+
+    def __init__(self, dataset: Any, tasks: Iterator[tuple], seed: int, timeout_s: float | None,
+                 loader: InlineLoader | None, on_stall: Callable[[float], None]) -> None:
+        self._inline = _engine.InlineRun(dataset, fetch_examples, tasks, seed)
+        self._timeout_s = timeout_s
+        self._loader = loader
+        self._on_stall = on_stall
+        self.consumed = False
+
+    def __iter__(self) -> InlineRun:
+        return self
+
+    def __next__(self) -> list:
+        self.consumed = False
+        if self._timeout_s is None or self._loader is None:
+            try:
+                batch = next(self._inline)
+            except StopIteration:
+                raise
+            except Exception:
+                self.consumed = True
+                raise
+            self.consumed = True
+            return batch
+        future = self._loader.submit(self._inline.__next__)
+        done, _ = concurrent.futures.wait([future], self._timeout_s)
+        if not done:
+            self._on_stall(self._timeout_s)
+        error = future.exception()
+        if error is not None:
+            self.consumed = isinstance(error, Exception) and not isinstance(error, StopIteration)
+            raise error
+        self.consumed = True
+        return future.result()
