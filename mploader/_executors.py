@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.reduction
@@ -124,9 +125,16 @@ def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
                 stream.flush()
             except (OSError, ValueError, AttributeError):
                 pass
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover - runs in the child
-            fork_main(spec, boot)
+        # Everything alive now is frozen out of the collector for the fork: the child's
+        # collections then never touch (copy) the parent's objects' pages, nor run
+        # finalizers of parent objects that become garbage there (gc.freeze docs).
+        gc.freeze()
+        try:
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - runs in the child
+                fork_main(spec, boot)
+        finally:
+            gc.unfreeze()
         child_conn.close()
         return WorkerProcess(wid, pid, parent_conn)
     ctx: Any = multiprocessing.get_context(start_method)
@@ -162,6 +170,8 @@ def stop_workers(workers: list[WorkerProcess], grace_s: float) -> None:
         w.reap(block=True)
     for w in workers:
         w.close_fds()
+    if any(w.process is not None for w in workers):
+        multiprocessing.active_children()  # lets multiprocessing forget the spawned processes
 
 
 class InlineRun:

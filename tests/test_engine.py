@@ -221,10 +221,17 @@ def test_close_racing_next_raises_only_the_documented_error():
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
-def test_spawned_workers_map_the_region_and_give_the_same_batches(method):
+def test_spawned_workers_map_the_region_and_give_the_same_batches(method, request):
     """spawn/forkserver: the dataset and fetch are pickled, the region's memfd is passed
     and attached; the batches equal the forked workers' (zero-copy views of the slot)."""
     engine = make(start_method=method, worker_init=remember_worker)
+    # multiprocessing's fork server and resource tracker (started by spawn) stay
+    # children of this process for the rest of the session: stop them afterwards, so
+    # later tests that count children see none.
+    import multiprocessing.forkserver as fs
+    import multiprocessing.resource_tracker as rt
+    request.addfinalizer(getattr(rt._resource_tracker, "_stop", lambda: None))
+    request.addfinalizer(getattr(fs._forkserver, "_stop", lambda: None))
     try:
         got = [b.copy() for b in engine.run(tasks(6))]
         np.testing.assert_array_equal(np.concatenate(got)[:, 0], np.arange(12))
