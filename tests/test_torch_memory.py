@@ -78,6 +78,7 @@ def test_worker_rss_grows_by_about_a_batch_not_by_the_storage():
     growth = r["peak"] - r["base"]
     # What the idle worker adds while loading 24 batches: the rows it reads (12 MiB),
     # the ring's slots (prefetch + 3 batches of 0.5 MiB, with headroom) and torch's
-    # temporaries -- about 25 MiB here, far below the 200 MB storage that pickling one
-    # sample would copy (the unfixed path was OOM-killed).
-    assert growth < 64 * 2**20, f"worker grew by {growth / 2**20:.0f} MiB: {r}"
+    # temporaries -- 16-66 MiB measured here (more on a loaded machine), far below the
+    # 195 MiB storage that pickling a single sample would copy (the unfixed path was
+    # OOM-killed).  The bound is half the storage: one pickled sample exceeds it.
+    assert growth < r["storage_bytes"] // 2, f"worker grew by {growth / 2**20:.0f} MiB: {r}"
