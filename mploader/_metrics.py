@@ -201,9 +201,15 @@ class BusyCells:
     def totals(self, now: float) -> list[float]:
         """Busy seconds per worker id up to ``now`` (a task in progress counted)."""
         m = self.map
-        out = list(self.retired)
         if m is None:
-            return out
+            return list(self.retired)
+        try:
+            return self._read(m, now)
+        except ValueError:  # close() unmapped it meanwhile (stats() from another thread)
+            return list(self.retired)
+
+    def _read(self, m: mmap.mmap, now: float) -> list[float]:
+        out = list(self.retired)
         for cell, owner in enumerate(self.owners):
             if owner is None or owner.wid >= len(out):
                 continue
