@@ -165,7 +165,7 @@ def format_stats(stats: Mapping[str, Any]) -> str:
     wait = float(stats.get("wait_s", 0.0))
     return (f"{_rate(float(stats.get('batches_per_s', 0.0)), 'batches/s')}, "
             f"{_rate(float(stats.get('bytes_per_s', 0.0)), 'B/s')}; "
-            f"waited {wait:.1f} s of {wall:.1f} s; workers {busy_text}; "
+            f"waited {wait:.3g} s of {wall:.3g} s; workers {busy_text}; "
             f"{stats.get('ready_batches', 0)} ready, {stats.get('held_slots', 0)} held; "
             f"pipe {stats.get('fallback_pipe', 0)}, in-band {stats.get('fallback_inband', 0)}, "
             f"no free slot {stats.get('no_free_slot', 0)} -- {diagnose(stats).message}")
@@ -173,15 +173,19 @@ def format_stats(stats: Mapping[str, Any]) -> str:
 
 def postfix(loader: Any) -> dict[str, str]:
     """The key numbers as short strings, for ``tqdm.set_postfix``: ``wait`` (the
-    fraction of the epoch blocked in ``next()``), ``busy`` (mean worker busy
-    fraction), ``batch/s`` (recent rate) and ``verdict`` (:func:`diagnose`'s kind)."""
+    fraction of the epoch blocked in ``next()``, after the first batch as
+    :func:`diagnose` counts it), ``busy`` (mean worker busy fraction), ``batch/s``
+    (recent rate) and ``verdict`` (:func:`diagnose`'s kind)."""
     s = _stats_of(loader)
     wall = float(s.get("wall_s", 0.0))
     busy = [b for b in s.get("worker_busy", []) if b is not None]
-    return {"wait": _pct(float(s.get("wait_s", 0.0)) / wall) if wall > 0 else "-",
+    d = diagnose(s)
+    wait = d.wait_fraction if d.wait_fraction is not None else (
+        float(s.get("wait_s", 0.0)) / wall if wall > 0 else None)
+    return {"wait": "-" if wait is None else _pct(wait),
             "busy": _pct(sum(busy) / len(busy)) if busy else "-",
             "batch/s": f"{float(s.get('batches_per_s', 0.0)):.1f}",
-            "verdict": diagnose(s).kind}
+            "verdict": d.kind}
 
 
 def set_postfix(bar: Any, loader: Any, refresh: bool = False) -> dict[str, str]:

@@ -372,8 +372,12 @@ def test_tqdm_postfix(no_leaks):
                 if i % 4 == 3:
                     values = mploader.set_postfix(bar, dl)
         assert set(values) == {"wait", "busy", "batch/s", "verdict"}
-        assert values["verdict"] == mploader.diagnose(dl).kind
         assert "verdict=" + values["verdict"] in bar.postfix
+        values = mploader.set_postfix(bar, dl)  # the epoch ended: its numbers are frozen
+        verdict = mploader.diagnose(dl)
+        assert values["verdict"] == verdict.kind
+        assert values["wait"] == f"{verdict.wait_fraction * 100:.0f} %"
+        assert values["busy"] == f"{verdict.worker_busy * 100:.0f} %"
     with pytest.raises(TypeError, match="bar must be a tqdm progress bar"):
         mploader.set_postfix(object(), {})
 
