@@ -26,6 +26,7 @@ reading the dataset.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -111,6 +112,9 @@ def restore(obj: Any, state: Any, what: str) -> None:
     method(copy.deepcopy(state))
 
 
+_END = object()
+
+
 def _length(obj: Any) -> int | None:
     try:
         return len(obj)
@@ -124,7 +128,7 @@ class MapProgress:
     received beyond it, with ``in_order=False``), and the states that rebuild its
     batch stream (taken when the epoch started)."""
 
-    __slots__ = ("epoch", "consumed", "ahead", "sampler_state", "iter_state", "finished", "error")
+    __slots__ = ("epoch", "consumed", "ahead", "sampler_state", "iter_state", "finished", "error", "rng_state")
 
     def __init__(self, epoch: int, consumed: int, ahead: set[int], sampler_state: Any, iter_state: Any,
                  error: BaseException | None) -> None:
@@ -135,6 +139,7 @@ class MapProgress:
         self.iter_state = iter_state
         self.finished = False
         self.error = error
+        self.rng_state: Any = None   # the sampler's RNG as the epoch's first batch was drawn
 
     def received(self, batch_index: int | None = None) -> None:
         """The user received batch ``batch_index`` (None: the next one in order)."""
@@ -165,22 +170,31 @@ class MapState:
         The dataset; its ``state_dict`` is saved when it has one.
     batch_sampler : iterable of index lists
         Re-iterated every epoch.
+    rng : object with ``get() -> JSON-safe`` and ``set(state)``, optional
+        A random generator the sampler draws its order from lazily (torch's
+        ``RandomSampler``): its state is taken just before the epoch's first batch is
+        pulled, and on resume set for that pull.  Between
+        epochs it is taken when the state is, and set by :meth:`load`.  A generator
+        others draw from as well (``rng.shared``, torch's global one) is put back after
+        that pull; the sampler's own generator goes on from the state it drew from.
     """
 
-    def __init__(self, face: str, dataset: Any, batch_sampler: Any) -> None:
+    def __init__(self, face: str, dataset: Any, batch_sampler: Any, rng: Any = None) -> None:
         self.face = face
         self.dataset = dataset
         self.batch_sampler = batch_sampler
+        self.rng = rng
         self.progress: MapProgress | None = None
         self.pending: dict | None = None   # a loaded state, for the next start_epoch
 
     # ---- iteration ----
 
-    def start_epoch(self, epoch: int) -> tuple[MapProgress, Iterator[tuple]]:
+    def start_epoch(self, epoch: int, it: Iterator | None = None) -> tuple[MapProgress, Iterator[tuple]]:
         """Begin epoch ``epoch`` (or, after :meth:`load`, the loaded epoch at its
         position; the face passes the epoch :meth:`load` returned).  The batch
         sampler's state is taken before ``iter()`` and its iterator's right after;
-        both are deep copies."""
+        both are deep copies.  ``it``: the epoch's iterator when the face already made
+        it (torch's iterators do)."""
         pending, self.pending = self.pending, None
         consumed, ahead = 0, set()
         error = None
@@ -189,7 +203,8 @@ class MapState:
             sampler_state = save(self.batch_sampler)
         except Exception as exc:  # noqa: BLE001 - raised by state_dict(), not by iteration
             error = exc
-        it = iter(self.batch_sampler)
+        if it is None:
+            it = iter(self.batch_sampler)
         if pending is not None:
             consumed, ahead = pending["batches_consumed"], set(pending["batches_ahead"])
             if pending["batch_sampler_iter_state"] is not None:
@@ -200,11 +215,31 @@ class MapState:
             except Exception as exc:  # noqa: BLE001 - raised by state_dict(), not by iteration
                 error = exc
         progress = MapProgress(epoch, consumed, ahead, sampler_state, iter_state, error)
+        rng_state = None
+        if pending is not None and pending.get("rng_at") == "first_pull":
+            rng_state = progress.rng_state = pending.get("rng_state")
         self.progress = progress
-        return progress, self._tasks(epoch, it, consumed, frozenset(ahead))
+        return progress, self._tasks(progress, it, consumed, frozenset(ahead), rng_state)
 
-    @staticmethod
-    def _tasks(epoch: int, it: Iterator, start: int, skip: frozenset) -> Iterator[tuple]:
+    def _tasks(self, progress: MapProgress, it: Iterator, start: int, skip: frozenset,
+               rng_state: Any) -> Iterator[tuple]:
+        epoch, rng = progress.epoch, self.rng
+        if rng is not None:   # the sampler draws its order from rng at the first pull
+            first: Any = _END
+            if rng_state is None:
+                progress.rng_state = rng.get()
+                first = next(it, _END)
+            else:
+                saved = rng.get() if getattr(rng, "shared", False) else None
+                rng.set(rng_state)
+                try:
+                    first = next(it, _END)
+                finally:
+                    if saved is not None:   # a generator others draw from too: theirs again
+                        rng.set(saved)
+            if first is _END:
+                return
+            it = itertools.chain((first,), it)
         for i, indices in enumerate(it):
             if i < start or i in skip:
                 continue   # consumed before the checkpoint: rebuilt, not loaded
@@ -224,15 +259,21 @@ class MapState:
         progress = self.progress
         if self.pending is not None:
             return copy.deepcopy(self.pending)
+        rng = self.rng
         if progress is None or progress.finished:
             epoch, consumed, ahead = next_epoch, 0, []
             sampler_state, iter_state = save(self.batch_sampler), None
+            rng_state, rng_at = (rng.get(), "epoch_start") if rng is not None else (None, None)
         else:
             if progress.error is not None:
                 raise progress.error
             epoch, consumed, ahead = progress.epoch, progress.consumed, sorted(progress.ahead)
             sampler_state = copy.deepcopy(progress.sampler_state)
             iter_state = copy.deepcopy(progress.iter_state)
+            rng_state, rng_at = None, None
+            if rng is not None:   # before the first pull the generator has not drawn yet
+                rng_state = copy.deepcopy(progress.rng_state) if progress.rng_state is not None else rng.get()
+                rng_at = "first_pull"
         state = {
             "version": VERSION,
             "kind": "map",
@@ -246,12 +287,14 @@ class MapState:
             "batch_sampler_state": sampler_state,
             "batch_sampler_iter_state": iter_state,
             "dataset_state": save(self.dataset),
+            "rng_state": rng_state,
+            "rng_at": rng_at,
         }
         if extra:
             state.update(extra)
         return state
 
-    def load(self, state: Any) -> dict:
+    def load(self, state: Any, seed_none_ok: bool = False) -> dict:
         """Check ``state`` against this loader and restore the batch sampler and the
         dataset; the next :meth:`start_epoch` resumes at the saved position.  Returns
         the checked state (the face adopts ``state["epoch"]`` and ``state["seed"]``).
@@ -274,10 +317,14 @@ class MapState:
         check_same("batch_sampler_type", state.get("batch_sampler_type"), type_name(self.batch_sampler))
         for name in ("epoch", "batches_consumed", "seed"):
             value = state[name]
+            if name == "seed" and value is None and seed_none_ok:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise StateMismatchError(f"cannot load the state: {name} must be a non-negative int, got {value!r}")
         restore(self.batch_sampler, state["batch_sampler_state"], "batch sampler")
         restore(self.dataset, state["dataset_state"], "dataset")
+        if self.rng is not None and state.get("rng_at") == "epoch_start" and state.get("rng_state") is not None:
+            self.rng.set(state["rng_state"])   # as it was before the saved loader's next iter()
         self.pending = copy.deepcopy(dict(state))
         self.progress = None
         return self.pending

@@ -25,6 +25,7 @@ torch release): ``torch.utils.data.dataloader._BaseDataLoaderIter`` (and its
 """
 from __future__ import annotations
 
+import collections
 import inspect
 import multiprocessing
 import random
@@ -36,9 +37,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import IterableDataset, default_collate, default_convert, get_worker_info
-from torch.utils.data.dataloader import _BaseDataLoaderIter, _SingleProcessDataLoaderIter
+from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import _diagnose, _engine, _metrics, _options, _pinning
+from . import _diagnose, _engine, _metrics, _options, _pinning, _torch_state
 from ._torch_collate import to_tensors, unpack
 from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, PACKED, Fetch, WorkerInit
 
@@ -107,7 +108,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
                  worker_init_fn: Callable[[int], None] | None = None, multiprocessing_context: Any = None,
                  generator: Any = None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True, shared_mem: int | None = None,
-                 copy: bool = False, seed: int | None = None) -> None:
+                 copy: bool = False, seed: int | None = None, snapshot_every_n_steps: int | None = None) -> None:
         extra = {"in_order": in_order} if _TORCH_HAS_IN_ORDER else {}
         super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory,
                          drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
@@ -133,13 +134,16 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self._mpl_host_pinner: _pinning.HostPinner | None = None
         self._mpl_epoch = 0
         self._mpl_report: tuple | None = None  # log_stats_every's (seconds, logger), for each new engine
+        # checkpoints (issue 11, mploader/_torch_state.py)
+        self.snapshot_every_n_steps = _torch_state.check_snapshot_every(snapshot_every_n_steps)
+        self._mpl_ckpt: Any = None
 
     # ---- iterators ----
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
         if self.num_workers == 0:
             if self._mpl_seed is None:
-                return _SingleProcessDataLoaderIter(self)
+                return _torch_state.SingleIter(self)
             return _SeededInlineIter(self)
         self.check_worker_number_rationality()
         return _RingIter(self)
@@ -216,8 +220,55 @@ class DataLoader(_TorchDataLoader[_T_co]):
         """Pickling (deepcopy, spawned trainers) drops the workers; the copy starts its own."""
         state = self.__dict__.copy()
         state.update(_iterator=None, _mpl_engine=None, _mpl_engine_key=None, _mpl_init=None, _mpl_pinned=False,
-                     _mpl_host_pinner=None)
+                     _mpl_host_pinner=None, _mpl_ckpt=None)
         return state
+
+    # ---- checkpoints (issue 11; mploader/_torch_state.py, docs/design.md "Checkpoint state") ----
+
+    def state_dict(self) -> dict:
+        """Where iteration stands, as torchdata 0.11 ``StatefulDataLoader.state_dict()``:
+        callable at any time (before ``iter()``, mid-epoch, between epochs), a snapshot
+        later iteration does not change, a versioned dict (``"version": 1``) that is
+        JSON-serialisable whenever the samplers' and dataset's own states are.
+
+        Map-style datasets: the epoch, the batches received in it (batches in flight
+        are not counted; with ``in_order=False`` the indices received out of order),
+        the duck-typed states of the batch sampler, its iterator and the dataset, the
+        state of the generator torch's ``RandomSampler`` draws from, and ``seed``.
+        It loads into a loader with any ``num_workers`` (torchdata refuses another
+        count): with ``seed=`` the batches that follow are bit-identical, random
+        augmentations included; without it (torch's per-worker seeding) the indices
+        and order are, the augmentations are not.  ``RandomSampler(generator=None)``
+        draws from torch's global RNG: a state taken between epochs is exact when
+        nothing else draws from it between ``load_state_dict()`` and ``iter()``
+        (pass ``generator=`` to be independent of it).  IterableDatasets: the epoch,
+        the batches received and ``num_workers``; resuming rebuilds the replicas and
+        drops the batches already received (as torchdata does for datasets without
+        ``state_dict``).
+
+        Raises
+        ------
+        ValueError
+            An IterableDataset with ``in_order=False`` and workers (which worker builds
+            which batch depends on timing), or a sampler whose ``state_dict`` raises.
+        """
+        return _torch_state.state_dict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from a :meth:`state_dict`: the next ``iter()`` continues the saved epoch
+        after the batches the saved loader had returned.  The loader adopts the saved
+        ``seed`` (a new engine is made when it differs).
+
+        Raises
+        ------
+        TypeError
+            ``state`` is not a dict.
+        mploader._state.StateMismatchError
+            (a ValueError) Another version or kind; another dataset length, batch
+            sampler type or sampler state; for an IterableDataset another dataset type
+            or ``num_workers`` -- the message prints both values.
+        """
+        _torch_state.load_state_dict(self, state)
 
     def stats(self) -> dict:
         """The engine's counters and input-pipeline metrics, as
@@ -285,14 +336,17 @@ class _RingIter(_BaseDataLoaderIter):
         self._pinned_region = loader._mpl_pinned
         self._dispatch = _Dispatch(self._num_workers, self._prefetch_factor, self._in_order)
         self._epoch = loader._mpl_next_epoch()
-        self._run = engine.run(self._dispatch.tasks(self._epoch, self._sampler_iter, self._is_iterable),
+        self._mpl_pos = _torch_state.begin(loader, self._epoch, self._sampler_iter)
+        self._run = engine.run(self._dispatch.tasks(self._epoch, self._mpl_pos.pairs, self._is_iterable),
                                in_order=self._in_order)
 
     def _next_data(self) -> Any:
+        pos = self._mpl_pos
         while True:
             try:
                 wid, payload, kind = next(self._run)
             except StopIteration:
+                pos.finish()
                 if not self._persistent_workers and self._engine is not None:
                     self._engine.stop_workers()
                 raise
@@ -305,11 +359,16 @@ class _RingIter(_BaseDataLoaderIter):
                     raise
                 if 0 <= wid < self._num_workers:
                     self._dispatch.num_tasks[wid] -= 1
+                    pos.received(self._dispatch.sent[wid].popleft())   # the exception used up its batch
                 raise _as_torch_error(exc, cause) from cause
+            batch_index = self._dispatch.sent[wid].popleft()   # a worker answers its tasks in order
             if kind == EXHAUSTED:
                 self._dispatch.active[wid] = False
                 continue
             self._dispatch.num_tasks[wid] -= 1
+            if batch_index in pos.skip:
+                continue   # IterableDataset resume: received before the checkpoint
+            pos.received(batch_index)
             data = unpack(payload) if kind == PACKED else to_tensors(payload)
             if self._pin_memory and not self._pinned_region:
                 # No pinned region (copy=True, or an accelerator other than CUDA): pin as torch does.
@@ -330,6 +389,7 @@ class _Dispatch:
         self.in_order = in_order
         self.active = [True] * num_workers
         self.num_tasks = [0] * num_workers
+        self.sent: list[collections.deque] = [collections.deque() for _ in range(num_workers)]  # batch indices
         self.cycle = 0
 
     def _pick(self) -> int | None:
@@ -341,11 +401,11 @@ class _Dispatch:
                 return w
         return None
 
-    def tasks(self, epoch: int, sampler_iter: Any, iterable: bool) -> Iterable[tuple]:
-        """``(epoch, batch_index, indices, worker_id)`` for each index the sampler yields;
-        for an IterableDataset ``indices`` is ``("iter", epoch, batch size or None)``."""
-        send_idx = 0
-        for index in sampler_iter:
+    def tasks(self, epoch: int, pairs: Iterable[tuple], iterable: bool) -> Iterable[tuple]:
+        """``(epoch, batch_index, indices, worker_id)`` for each ``(batch_index, index)``
+        pair (the checkpoint's stream over what the sampler yields); for an
+        IterableDataset ``indices`` is ``("iter", epoch, batch size or None)``."""
+        for send_idx, index in pairs:
             worker = self._pick()
             if worker is None:
                 if not any(self.active):
@@ -354,8 +414,8 @@ class _Dispatch:
             if iterable:
                 index = ("iter", epoch, None if index is None else len(index))
             self.num_tasks[worker] += 1
+            self.sent[worker].append(send_idx)
             yield (epoch, send_idx, index, worker)
-            send_idx += 1
 
 
 def _as_torch_error(exc: BaseException, cause: Any) -> BaseException:
@@ -405,11 +465,17 @@ class _SeededInlineIter(_BaseDataLoaderIter):
         self._seed = loader._mpl_seed
         self._epoch = loader._mpl_next_epoch()
         self._batch_index = 0
+        self._mpl_pos = _torch_state.begin(loader, self._epoch, self._sampler_iter)
+        self._sampler_iter: Any = self._mpl_pos.indices()
         self._it: Any = iter(self._dataset) if isinstance(self._dataset, IterableDataset) else None
         self._ended = False
 
     def _next_data(self) -> Any:
+        return _torch_state.next_counted(self._mpl_pos, self._load)
+
+    def _load(self) -> Any:
         index = self._next_index()
+        self._batch_index = self._mpl_pos.current   # a resumed epoch starts at the saved batch
         saved = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
         try:
             self._seed_rngs(self._batch_seed(self._seed, self._epoch, self._batch_index))
