@@ -23,7 +23,9 @@ from mploader.torch import DataLoader  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("no_leaks"),
               # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13
-              pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")]
+              pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),
+              # three workers on this two-core machine, on purpose (N -> M for every pair)
+              pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
 
 N = 10
 BATCH = 3
