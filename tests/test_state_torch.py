@@ -300,3 +300,25 @@ def test_mismatch_prints_both_values():
                                                      "dataset_length=11"):
             other.load_state_dict(state)
     assert np.asarray(state["batches_consumed"]) == 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stateful_distributed_sampler_against_torchdata(workers):
+    """torchdata's StatefulDistributedSampler (its state counts the indices yielded):
+    the same batches as torchdata's after every restore.  torch's BatchSampler does
+    not nest its sampler's state, so the epoch is rebuilt from the sampler as new
+    and fast-forwarded."""
+    from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+
+    def sampler(ds):
+        return StatefulDistributedSampler(ds, num_replicas=2, rank=1, shuffle=True, seed=4)
+
+    def ours():
+        ds = Squares()
+        return DataLoader(ds, batch_size=BATCH, num_workers=workers, sampler=sampler(ds))
+
+    def theirs():
+        ds = Squares()
+        return StatefulDataLoader(ds, batch_size=BATCH, num_workers=workers, sampler=sampler(ds))
+
+    assert check_resumes(ours, ours) == check_resumes(theirs, theirs)
