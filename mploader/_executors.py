@@ -9,8 +9,10 @@
 """
 from __future__ import annotations
 
+import _imp
 import collections
 import gc
+import importlib
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.reduction
@@ -125,6 +127,7 @@ def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
                 stream.flush()
             except (OSError, ValueError, AttributeError):
                 pass
+        quiet = _import_quiet()
         # Everything alive now is frozen out of the collector for the fork: the child's
         # collections then never touch (copy) the parent's objects' pages, nor run
         # finalizers of parent objects that become garbage there (gc.freeze docs).
@@ -132,9 +135,13 @@ def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
         try:
             pid = os.fork()
             if pid == 0:  # pragma: no cover - runs in the child
+                if quiet:
+                    _import_unlock()
                 fork_main(spec, boot)
         finally:
             gc.unfreeze()
+            if quiet:
+                _import_unlock()
         child_conn.close()
         return WorkerProcess(wid, pid, parent_conn)
     ctx: Any = multiprocessing.get_context(start_method)
@@ -143,6 +150,52 @@ def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
     proc.start()
     child_conn.close()
     return WorkerProcess(wid, proc.pid, parent_conn, proc)
+
+
+def _foreign_import_locks() -> list[str]:
+    """Names of the modules whose import lock another thread holds right now."""
+    locks = getattr(getattr(importlib, "_bootstrap", None), "_module_locks", None)
+    if not locks:
+        return []
+    me = threading.get_ident()
+    names = []
+    for name, ref in list(locks.items()):
+        lock = ref()
+        if lock is not None and getattr(lock, "count", 0) and getattr(lock, "owner", me) != me:
+            names.append(name)
+    return names
+
+
+def _import_quiet() -> bool:
+    """Wait until no other thread is inside an import, then take the global import
+    lock (so none can start one) and return True -- the caller forks and then calls
+    :func:`_import_unlock`.  False: this Python has no such locks; fork anyway.
+
+    A module another thread is importing when a worker forks stays half initialised
+    in the worker forever, and its import lock stays owned by a thread that does not
+    exist there: the worker's own ``import`` of it (a dataset that imports torch)
+    hangs, or finds a partial module.  A thread inside an import needs the global
+    lock only to start the next one, so it is waited for without holding it.
+    """
+    bootstrap = getattr(importlib, "_bootstrap", None)
+    manager = getattr(bootstrap, "_ModuleLockManager", None)
+    if manager is None:  # pragma: no cover - a Python without importlib's module locks
+        return False
+    while True:
+        for name in _foreign_import_locks():
+            with manager(name):  # waits for that import to finish
+                pass
+        _imp.acquire_lock()
+        if not _foreign_import_locks():
+            return True
+        _imp.release_lock()
+
+
+def _import_unlock() -> None:
+    try:
+        _imp.release_lock()
+    except RuntimeError:  # pragma: no cover - not held (a child whose lock was reset)
+        pass
 
 
 def stop_workers(workers: list[WorkerProcess], grace_s: float) -> None:

@@ -48,7 +48,7 @@ def seed_rngs(seed64: int) -> None:
     random.seed(seed64)
     np.random.seed(seed64 & 0xFFFFFFFF)
     torch = sys.modules.get("torch")
-    if torch is not None:
+    if torch is not None and hasattr(torch, "default_generator"):  # not a half-imported torch
         # The CPU generator only: torch.manual_seed also seeds every accelerator
         # backend (~130 us a call), and a forked worker cannot use CUDA anyway.
         torch.default_generator.manual_seed(seed64 & 0x7FFFFFFFFFFFFFFF)

@@ -445,3 +445,29 @@ def test_worker_killed_while_idle_is_replaced_and_the_epoch_is_complete():
         loader.close()
         print("OK")
     """)
+
+
+def test_module_imported_by_a_thread_at_fork_time_is_whole_in_the_workers(tmp_path):
+    """A thread is inside ``import slowmod`` (its import takes 1 s) when the workers
+    fork, and the dataset imports it too.  The fork waits for that import: a worker
+    forked in the middle would find the module half initialised, with its import
+    lock owned by a thread that does not exist there (the worker hung forever)."""
+    (tmp_path / "slowmod.py").write_text("import time\ntime.sleep(1.0)\nVALUE = 7\n")
+    run_case(f"""
+        sys.path.insert(0, {str(tmp_path)!r})
+        class Imports(Arange):
+            def __getitem__(self, i):
+                import slowmod
+                return super().__getitem__(i) * slowmod.VALUE
+        started = threading.Event()
+        def importer():
+            started.set()
+            import slowmod
+        t = threading.Thread(target=importer); t.start()
+        started.wait()
+        with mploader.DataLoader(Imports(16), batch_size=4, num_workers=2, seed=0, timeout=20) as loader:
+            got = [int(b[0][0]) for b in loader]
+        t.join()
+        assert got == [0, 28, 56, 84], got
+        print("OK")
+    """, timeout_s=60)
