@@ -160,8 +160,8 @@ def _foreign_import_locks() -> list[str]:
     me = threading.get_ident()
     names = []
     for name, ref in list(locks.items()):
-        lock = ref()
-        if lock is not None and getattr(lock, "count", 0) and getattr(lock, "owner", me) != me:
+        lock: Any = ref()
+        if lock is not None and lock.count and lock.owner != me:
             names.append(name)
     return names
 
