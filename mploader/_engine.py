@@ -14,6 +14,7 @@ workers, close, fork safety); :mod:`._scheduler` the batch loop;
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import weakref
@@ -217,6 +218,17 @@ class Engine:
                         region.reclaim(slot)
             self._scheduler.stale.clear()
             self._scheduler.stale_pipe.clear()
+
+    def set_seed(self, seed: int) -> None:
+        """Use base seed ``seed`` from the next run on (a checkpoint's seed): running
+        workers, which hold the old one, are stopped and restarted by that run."""
+        with self._lock:
+            if seed == self.seed:
+                return
+            if self.worker_pids():
+                self.stop_workers()
+            self.seed = seed
+            self.spec = dataclasses.replace(self.spec, seed=seed)
 
     def worker_pids(self) -> list[int]:
         return [w.pid for w in self._res.workers if w.status is None]

@@ -261,12 +261,8 @@ class DataLoader:
         self._options = dataclasses.replace(self._options, seed=seed)
         if self._shuffler is not None:
             self._shuffler.load_state_dict({**self._shuffler.state_dict(), "seed": seed})
-        engine = self._engine
-        if engine is not None:
-            if engine.worker_pids():
-                engine.stop_workers()
-            engine.seed = seed
-            engine.spec = dataclasses.replace(engine.spec, seed=seed)
+        if self._engine is not None:
+            self._engine.set_seed(seed)
 
     def stats(self) -> dict:
         """Transport counters (ints): ``batches`` delivered; ``slot`` zero-copy through a

@@ -537,12 +537,8 @@ class MultiprocessIterator:
             self._seed = seed
             self._options = dataclasses.replace(self._options, seed=seed)
             with self._lock:
-                engine = self._engine
-                if engine is not None:
-                    if engine.worker_pids():
-                        engine.stop_workers()
-                    engine.seed = seed
-                    engine.spec = dataclasses.replace(engine.spec, seed=seed)
+                if self._engine is not None:
+                    self._engine.set_seed(seed)
             self._drop_run()
 
         def loader(key: str, value: Any) -> Any:
