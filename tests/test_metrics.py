@@ -388,6 +388,27 @@ def test_import_does_not_import_tqdm():
     assert out.split()[0] == "False"
 
 
+# ---- the benchmark harness ----
+
+
+def test_bench_transports_report_the_verdict(no_leaks):
+    """``mploader bench`` prints, per transport row, the verdict of its epochs."""
+    peers = pytest.importorskip("mploader_bench.peers")
+    transport = pytest.importorskip("mploader_bench.transport")
+    data = SlowData(40, delay_s=0.005)
+    batches = [[2 * b, 2 * b + 1] for b in range(20)]
+    with peers.open_transport("mploader", data, workers=1) as t:
+        assert t.verdict() == "unknown"
+        assert sum(1 for _ in t.epoch(batches)) == 20
+        assert t.verdict() == "input-bound"  # the harness's consumer does nothing
+    assert t.verdict() is None  # closed
+    with peers.open_transport("pickle", data, workers=1) as t:
+        assert t.verdict() is None
+    assert transport._most_common([None, "input-bound", "compute-bound", "input-bound"]) == "input-bound"
+    assert transport._most_common([None]) is None
+    assert [transport._bound_by(v) for v in (None, "transport-bound", "unknown")] == ["", "transport", "unknown"]
+
+
 # ---- the Chainer face ----
 
 

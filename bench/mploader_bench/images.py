@@ -53,6 +53,7 @@ all cores; a table whose runs saw more than 10 % says so under it.
 """
 from __future__ import annotations
 
+import collections
 import datetime as _dt
 import json
 import math
@@ -526,6 +527,7 @@ def _run_format(fmt: str, folder: _data.ImageFolder, cfg: ImagesConfig, tree: _T
                 sampler.start()
                 wall, wait = _run_epoch(opened[name], batches[:nb], 0, verifier,
                                         f"{name} (repetition {rep + 1})", B, bar.update)
+                verdict = opened[name].verdict()
                 peak = sampler.stop()
                 cpu1, busy1 = tree.cpu(), tree.system_busy()
                 images = nb * B
@@ -547,6 +549,7 @@ def _run_format(fmt: str, folder: _data.ImageFolder, cfg: ImagesConfig, tree: _T
                     "peak_pss_mb": None if peak is None else peak / 1e6,
                     "processes": 1 + len(pids[name]),
                     "other_cpu_pct": other_pct,
+                    "verdict": verdict,
                 })
                 if verifier.problems:
                     break
@@ -561,7 +564,9 @@ def _run_format(fmt: str, folder: _data.ImageFolder, cfg: ImagesConfig, tree: _T
     metrics = ("images_per_s", "mb_per_s", "wait_pct", "wait_ms_per_batch",
                "cpu_s_per_1k_images", "peak_pss_mb")
     for name in names:
-        med = {m: _median([r[m] for r in runs[name]]) for m in metrics}
+        med: dict[str, Any] = {m: _median([r[m] for r in runs[name]]) for m in metrics}
+        verdicts = collections.Counter(r["verdict"] for r in runs[name] if r.get("verdict"))
+        med["verdict"] = verdicts.most_common(1)[0][0] if verdicts else None
         fmt_report["transports"][name] = {"runs": runs[name], "median": med}
     _add_ratios(fmt_report, W)
     others = [r["other_cpu_pct"] for rs in runs.values() for r in rs if r["other_cpu_pct"] is not None]
@@ -767,10 +772,12 @@ def print_tables(report: dict, console: Any) -> None:
                          _fmt(m["peak_pss_mb"], ",.0f"), _fmt(rec["x_pickle"], ".2f", "x"),
                          _fmt(rec["x_torch"], ".2f", "x"),
                          _fmt(None if rec["scaling_efficiency"] is None
-                              else 100 * rec["scaling_efficiency"], ".0f", "%")])
+                              else 100 * rec["scaling_efficiency"], ".0f", "%"),
+                         (m.get("verdict") or "-").replace("-bound", "")])
         rows_by_fmt[fmt] = rows
+    # "bound by": mploader.diagnose's verdict on the transport's epochs (mploader's faces only)
     header = ["transport", "images/s", "MB/s", "wait %", "wait ms/batch", "CPU s/1k img",
-              "peak PSS MB", "x pickle", "x torch", "scaling"]
+              "peak PSS MB", "x pickle", "x torch", "scaling", "bound by"]
     for fmt, rows in rows_by_fmt.items():
         fr = report["formats"][fmt]
         title = (f"images · {fmt} · {cfg['workers']} workers · batch {cfg['batch_size']} · "

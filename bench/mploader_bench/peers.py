@@ -224,6 +224,12 @@ class Transport:
     def _close(self) -> None:
         pass
 
+    def verdict(self) -> str | None:
+        """``mploader.diagnose``'s kind for the last epoch (``"input-bound"``,
+        ``"compute-bound"``, ``"transport-bound"`` or ``"unknown"``), or None for a
+        transport that keeps no metrics (every peer)."""
+        return None
+
     def __enter__(self) -> Transport:
         return self
 
@@ -251,6 +257,15 @@ class _Inline(Transport):
             yield _fetch_collate(dataset, indices)
 
 
+def _verdict(loader: Any) -> str | None:
+    """``mploader.diagnose(loader).kind`` (None once the transport is closed)."""
+    if loader is None:
+        return None
+    import mploader
+
+    return mploader.diagnose(loader).kind
+
+
 class _MPLoader(Transport):
     name = "mploader"
     requires = ("mploader",)
@@ -276,6 +291,9 @@ class _MPLoader(Transport):
         loader, self._loader = getattr(self, "_loader", None), None
         if loader is not None:
             loader.close()
+
+    def verdict(self) -> str | None:
+        return _verdict(self._loader)
 
 
 # ---- pickle: multiprocessing.Pool, as MXNet Gluon / GluonNLP ----
@@ -530,6 +548,9 @@ class _MPLTorch(Transport):
         loader, self._loader = getattr(self, "_loader", None), None
         if loader is not None:
             loader.close()
+
+    def verdict(self) -> str | None:
+        return _verdict(self._loader)
 
 
 class _MPLTorchTensors(_MPLTorch):

@@ -38,6 +38,7 @@ transport``); :func:`run` is the entry point for code.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime as _dt
 import gc
@@ -457,6 +458,17 @@ def _median(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _bound_by(verdict: str | None) -> str:
+    """A table cell for a verdict: "input", "compute", "transport", "unknown" or ""."""
+    return "" if verdict is None else verdict.replace("-bound", "")
+
+
+def _most_common(xs: Sequence[str | None]) -> str | None:
+    """The most frequent of the values that are not None (the first on a tie)."""
+    counts = collections.Counter(x for x in xs if x is not None)
+    return counts.most_common(1)[0][0] if counts else None
+
+
 class _Out:
     """Console output: rich if available, plain print otherwise."""
 
@@ -674,9 +686,11 @@ def _run_size(size: str, names: list[str], report: dict, out: _Out, *, workers: 
                     live.pop(name).close()
                     continue
                 bps = n / wall
+                verdict = t.verdict() if isinstance(t, peers.Transport) else None
                 report["runs"].append(dict(size=size, transport=name, repeat=rep, batches=n,
                                            seconds=wall, parent_cpu_s=cpu, workers_cpu_s=wcpu,
-                                           batches_per_s=bps, gb_per_s=bps * nbytes / 1e9))
+                                           batches_per_s=bps, gb_per_s=bps * nbytes / 1e9,
+                                           verdict=verdict))
                 rates.append(f"{name} {_fmt_rate(bps)}")
             if not quiet:
                 out.line(f"[{size}] repeat {rep + 1}/{repeats}: " + ", ".join(rates) + " batches/s")
@@ -697,7 +711,7 @@ def _summarise(report: dict) -> None:
                 [r["parent_cpu_s"] / r["batches"] for r in rs]),
             workers_cpu_per_batch_s=_median(
                 [r["workers_cpu_s"] / r["batches"] for r in rs if r["workers_cpu_s"] is not None]),
-            repeats=len(rs))
+            repeats=len(rs), verdict=_most_common([r.get("verdict") for r in rs]))
     for size, meds in report["medians"].items():
         if "mploader" not in meds:
             continue
@@ -723,8 +737,9 @@ def _summarise(report: dict) -> None:
 def _print_report(report: dict, out: _Out) -> None:
     cfg = report["config"]
     # "ref": REFERENCE; "CPU us/batch": parent + all workers, CPU microseconds per batch
+    # "bound by": mploader.diagnose's verdict on the transport's epochs (mploader's faces only)
     header = ["size", "transport", "batches/s", "GB/s", "min-max batches/s",
-              "CPU us/batch", "ref batches/s", "mploader x"]
+              "CPU us/batch", "ref batches/s", "mploader x", "bound by"]
     rows = []
     for size in cfg["sizes"]:
         meds = report["medians"].get(size, {})
@@ -739,7 +754,8 @@ def _print_report(report: dict, out: _Out) -> None:
             rows.append([size, name, _fmt_rate(m["batches_per_s"]), f"{m['gb_per_s']:.3f}",
                          f"{_fmt_rate(m['min_batches_per_s'])}-{_fmt_rate(m['max_batches_per_s'])}",
                          _fmt_cpu(m["parent_cpu_per_batch_s"], m["workers_cpu_per_batch_s"]),
-                         _fmt_rate(ref) if ref else "", _fmt_ratio(ratio) if ratio else ""])
+                         _fmt_rate(ref) if ref else "", _fmt_ratio(ratio) if ratio else "",
+                         _bound_by(m.get("verdict"))])
     title = (f"transport benchmark: medians of {cfg['repeats']} repetitions, "
              f"{cfg['workers']} workers")
     target_lines = []
