@@ -180,6 +180,9 @@ def test_tiny_bench_end_to_end(tmp_path, capsys):
             assert run["other_cpu_pct"] >= 0
         assert fr["transports"]["pickle"]["x_pickle"] == pytest.approx(1.0)
         assert fr["transports"]["pickle"]["scaling_efficiency"] > 0
+        # mploader.diagnose's verdict ("bound by"): 2 batches are too few; the peers keep no metrics
+        assert fr["transports"]["mploader"]["median"]["verdict"] == "unknown"
+        assert fr["transports"]["pickle"]["median"]["verdict"] is None
 
 
 def test_tiny_bench_mismatch_fails_loudly(tmp_path, capsys, monkeypatch):
