@@ -1,12 +1,14 @@
 # make test  : venv in .venv, install mploader with its test extras (compiles the C core)
 #              and the benchmark harness (bench/), versions pinned by constraints.txt; run pytest
 # make bench : venv in .venv, install mploader and the harness, run `mploader bench`
-#              (BENCH_ARGS="--suite transport --repeats 1" and the like pass options through)
+#              (BENCH_ARGS="--suite transport --repeats 1" and the like pass options through;
+#              PYTEST_ARGS="--durations=20" and the like for make test)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP_INSTALL := $(PY) -m pip install -c constraints.txt
 BENCH_ARGS ?=
+PYTEST_ARGS ?=
 
 .PHONY: test bench venv install-test install-bench clean ctest stress tsan
 
@@ -21,7 +23,7 @@ install-bench: $(PY)
 	$(PIP_INSTALL) -e . -e ./bench
 
 test: install-test
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 bench: install-bench
 	$(VENV)/bin/mploader bench $(BENCH_ARGS)
