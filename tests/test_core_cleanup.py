@@ -13,10 +13,9 @@ import time
 import numpy as np
 import psutil
 import pytest
+from conftest import child_pids, lasting_new_shm, memfd_mappings, open_fds, shm_entries
 
 import mploader
-
-from conftest import child_pids, lasting_new_shm, memfd_mappings, open_fds, shm_entries
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -192,7 +191,7 @@ def test_two_loaders_alive_at_once():
     a = mploader.DataLoader(Small(), batch_size=4, num_workers=2, seed=0)
     b = mploader.DataLoader(Small(), batch_size=4, num_workers=1, seed=1)
     ia, ib = iter(a), iter(b)
-    for k in range(3):
+    for _ in range(3):
         np.testing.assert_array_equal(next(ia)[1], next(ib)[1])
     assert len(child_pids()) == 3
     a.close()

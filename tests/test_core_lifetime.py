@@ -11,10 +11,10 @@ import warnings
 
 import numpy as np
 import pytest
+from _util import lease_of
 
 import mploader
 from mploader._ring import SlotLease
-from _util import lease_of
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -78,7 +78,8 @@ def test_held_batch_unchanged_and_its_slot_reused_after_drop(loader):
         del held
         gc.collect()
         reused_at = None
-        for j in range(j + 1, j + 1 + 3 * num_slots):
+        first = j + 1
+        for j in range(first, first + 3 * num_slots):
             if slot_of(next(it)) == held_slot:
                 reused_at = j
                 break

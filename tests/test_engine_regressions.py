@@ -96,10 +96,10 @@ def test_abandoned_iteration_frees_its_slots():
 
     with mploader.DataLoader(DS(), batch_size=4, num_workers=2, seed=0) as loader:
         for _ in range(5):
-            for k, batch in enumerate(loader):
+            for k, _batch in enumerate(loader):
                 if k == 3:
                     break
-            del batch
+            del _batch  # the abandoned run's last batch
         whole = [b[:, 0].copy() for b in loader]
         assert np.array_equal(np.concatenate(whole), np.arange(200))
         stats = loader.stats()
@@ -109,8 +109,8 @@ def test_abandoned_iteration_frees_its_slots():
 def test_dead_worker_detected_with_more_than_1024_fds_open():
     """Worker pidfds numbered above FD_SETSIZE must still be watched (poll, not select)."""
     import os
-    import signal
     import resource
+    import signal
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < 1200:
