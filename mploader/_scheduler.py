@@ -152,6 +152,8 @@ class Scheduler:
                     return
             source = pushback[0]
             worker = self._pick_worker(source[3] if len(source) > 3 else None)
+            if worker is None:
+                return  # deliver what is there; the wait names the dead worker's batch
             slot = self._free_slot()
             old = defer_signals()
             try:
@@ -202,18 +204,20 @@ class Scheduler:
                 pass
         return True
 
-    def _pick_worker(self, pinned: int | None) -> WorkerProcess:
-        """The live, non-retiring worker with the fewest batches owed (or ``pinned``)."""
+    def _pick_worker(self, pinned: int | None) -> WorkerProcess | None:
+        """The live, non-retiring worker with the fewest batches owed (or ``pinned``);
+        None when there is none to give the task to (a dead worker whose published
+        batches are still to be delivered is not replaced before they are)."""
         workers = [w for w in self.res.workers if not w.retiring and w.status is None]
         if len(workers) < self.engine.num_workers:
             self.engine._ensure_workers()
             workers = [w for w in self.res.workers if not w.retiring and w.status is None]
         if pinned is not None:
-            workers = [w for w in workers if w.wid == pinned]
-            if not workers:
+            if not 0 <= pinned < self.engine.num_workers:
                 raise ValueError(f"task pinned to worker {pinned}, but the workers are 0.."
                                  f"{self.engine.num_workers - 1}")
-        return min(workers, key=lambda w: len(w.outstanding))
+            workers = [w for w in workers if w.wid == pinned]
+        return min(workers, key=lambda w: len(w.outstanding)) if workers else None
 
     def _free_slot(self) -> int:
         """A FREE slot, waiting for abandoned batches' slots when only they are busy;
@@ -436,12 +440,17 @@ class Scheduler:
 
     def replace_dead(self) -> None:
         """Before a run or a dispatch: workers that died owing nothing (idle deaths,
-        batches of an abandoned run) are replaced and their slots reclaimed."""
+        batches of an abandoned run) are replaced and their slots reclaimed.  A dead
+        worker with batches of the current run still in flight is kept: the ones it
+        published are delivered, and the wait names the one it was loading."""
         res = self.res
         region = res.region
         keep = []
         for w in res.workers:
             if w.status is None and not w.reap():
+                keep.append(w)
+                continue
+            if any(not t.stale and t.generation == self.generation for t in w.outstanding):
                 keep.append(w)
                 continue
             for t in w.outstanding:

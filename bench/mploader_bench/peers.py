@@ -441,127 +441,6 @@ class _Queue(Transport):
 # ---- torch: torch.utils.data.DataLoader, persistent workers ----
 
 
-class _Torch(Transport):
-    name = "torch"
-    requires = ("torch.utils.data",)
-    tensor_samples = False
-
-    def __init__(self, dataset: Any, **kw: Any) -> None:
-        super().__init__(dataset, **kw)
-        import torch.utils.data
-
-        if self.tensor_samples:
-            dataset = TensorSamples(dataset)
-
-        self._sampler = _SwappableBatches()
-        if self.workers > 0:
-            factor = max(1, self.prefetch // self.workers) if self.prefetch else 2
-            extra = dict(persistent_workers=True, prefetch_factor=factor,
-                         multiprocessing_context="fork")
-        else:
-            extra = {}
-        self._loader: Any = torch.utils.data.DataLoader(  # None once closed
-            dataset, batch_sampler=self._sampler, num_workers=self.workers, **extra)
-
-    def _epoch(self, batches: list[list[int]]) -> Iterator[Any]:
-        self._sampler.batches = batches
-        for batch in self._loader:
-            out = _torch_to_numpy(batch)
-            del batch
-            yield out
-            del out
-
-    def _close(self) -> None:
-        loader, self._loader = getattr(self, "_loader", None), None
-        if loader is None:
-            return
-        it = getattr(loader, "_iterator", None)
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
-        loader._iterator = None
-
-
-class TensorSamples:
-    """A numpy dataset in torch style: every array of a sample becomes a tensor
-    (``torch.from_numpy``: zero-copy; a copy for read-only arrays, which torch
-    cannot wrap).  What a PyTorch user's ``Dataset.__getitem__`` typically returns.
-
-    Parameters
-    ----------
-    dataset : map-style dataset
-        Samples that are arrays, numbers, or tuples of those.
-    """
-
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int) -> Any:
-        return _to_tensors(self.dataset[i])
-
-
-def _to_tensors(sample: Any) -> Any:
-    import torch
-
-    if isinstance(sample, tuple):
-        return tuple(_to_tensors(s) for s in sample)
-    if isinstance(sample, np.ndarray):
-        return torch.from_numpy(sample if sample.flags.writeable else sample.copy())
-    return sample
-
-
-class _MPLTorch(Transport):
-    """``mploader.torch.DataLoader`` (persistent forked workers, torch's default
-    ``prefetch_factor``), tensors delivered; over the numpy dataset, as ``torch``."""
-
-    name = "mploader.torch"
-    requires = ("torch.utils.data", "mploader.torch")
-    tensor_samples = False
-
-    def __init__(self, dataset: Any, **kw: Any) -> None:
-        super().__init__(dataset, **kw)
-        import mploader.torch
-
-        self._sampler = _SwappableBatches()
-        if self.workers > 0:
-            factor = max(1, self.prefetch // self.workers) if self.prefetch else 2
-            extra: dict[str, Any] = dict(persistent_workers=True, prefetch_factor=factor,
-                                         multiprocessing_context="fork")
-        else:
-            extra = {}
-        if self.tensor_samples:
-            dataset = TensorSamples(dataset)
-        self._loader: Any = mploader.torch.DataLoader(  # None once closed
-            dataset, batch_sampler=self._sampler, num_workers=self.workers, **extra)
-
-    def _epoch(self, batches: list[list[int]]) -> Iterator[Any]:
-        self._sampler.batches = batches
-        for batch in self._loader:
-            out = _torch_to_numpy(batch)  # zero-copy views of the slot
-            del batch  # hold the batch (and its slot) only through `out`
-            yield out
-            del out
-
-    def _close(self) -> None:
-        loader, self._loader = getattr(self, "_loader", None), None
-        if loader is not None:
-            loader.close()
-
-    def verdict(self) -> str | None:
-        return _verdict(self._loader)
-
-
-class _MPLTorchTensors(_MPLTorch):
-    """``mploader.torch`` over the dataset in torch style (samples of tensors); opt-in."""
-
-    name = "mploader.torch-tensors"
-    suites = ()
-    tensor_samples = True
-
-
-# --------------------------------------------------------------------------
 # the registry: the order of registration is the order of every report
 
 _REGISTRY: dict[str, type[Transport]] = {}
@@ -599,13 +478,8 @@ def register(cls: type[Transport]) -> type[Transport]:
     return cls
 
 
-class _TorchTensors(_Torch):
-    """``torch`` over the dataset in torch style (samples of tensors); opt-in."""
-
-    name = "torch-tensors"
-    suites = ()
-    tensor_samples = True
-
+# The torch transports live in peers_torch (imported here: they use the names above).
+from .peers_torch import _MPLTorch, _MPLTorchTensors, _Torch, _TorchTensors  # noqa: E402
 
 for _cls in (_MPLoader, _MPLTorch, _MPLTorchTensors, _Pickle, _Queue, _Torch, _TorchTensors, _Inline):
     register(_cls)
