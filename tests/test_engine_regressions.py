@@ -106,6 +106,16 @@ def test_abandoned_iteration_frees_its_slots():
         assert stats["fallback_pipe"] == 0 and stats["no_free_slot"] == 0
 
 
+class KillsItself:
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        import os
+        import signal
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def test_dead_worker_detected_with_more_than_1024_fds_open():
     """Worker pidfds numbered above FD_SETSIZE must still be watched (poll, not select)."""
     import os
@@ -117,13 +127,14 @@ def test_dead_worker_detected_with_more_than_1024_fds_open():
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
     filler = [os.open("/dev/null", os.O_RDONLY) for _ in range(1100)]
     try:
-        gate = multiprocessing.Event()
-        with mploader.DataLoader(Gated(gate), batch_size=1, num_workers=1, seed=0, timeout=30) as loader:
+        # The worker dies while it owes the batch (killed by sample 0 itself): a worker
+        # killed while idle owes nothing and is replaced instead (test_faults.py).
+        with mploader.DataLoader(KillsItself(), batch_size=1, num_workers=1, seed=0, timeout=30) as loader:
             it = iter(loader)
             (pid,) = loader.worker_pids()
-            os.kill(pid, signal.SIGKILL)
-            with pytest.raises(mploader.WorkerError, match=str(pid)):
+            with pytest.raises(mploader.WorkerError, match=str(pid)) as info:
                 next(it)
+            assert info.value.signal == signal.SIGKILL and info.value.indices == [0]
     finally:
         for fd in filler:
             os.close(fd)
