@@ -279,10 +279,13 @@ class _MPLoader(Transport):
             dataset, batch_sampler=self._sampler, num_workers=self.workers,
             seed=self.seed, prefetch=self.prefetch)
 
+    #: How a delivered batch becomes the checked batch (zero-copy views of the slot).
+    _convert = staticmethod(_as_batch)
+
     def _epoch(self, batches: list[list[int]]) -> Iterator[Any]:
         self._sampler.batches = batches
         for batch in self._loader:
-            out = _as_batch(batch)
+            out = self._convert(batch)
             del batch  # hold the batch (and its slot) only through `out`
             yield out
             del out

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .peers import Transport, _SwappableBatches, _torch_to_numpy, _verdict
+from .peers import Transport, _MPLoader, _SwappableBatches, _torch_to_numpy
 
 
 class _Torch(Transport):
@@ -81,7 +81,7 @@ def _to_tensors(sample: Any) -> Any:
     return sample
 
 
-class _MPLTorch(Transport):
+class _MPLTorch(_MPLoader):
     """``mploader.torch.DataLoader`` (persistent forked workers, torch's default
     ``prefetch_factor``), tensors delivered; over the numpy dataset, as ``torch``."""
 
@@ -90,7 +90,7 @@ class _MPLTorch(Transport):
     tensor_samples = False
 
     def __init__(self, dataset: Any, **kw: Any) -> None:
-        super().__init__(dataset, **kw)
+        Transport.__init__(self, dataset, **kw)  # not _MPLoader's: it builds the Gluon loader
         import mploader.torch
 
         self._sampler = _SwappableBatches()
@@ -105,21 +105,7 @@ class _MPLTorch(Transport):
         self._loader: Any = mploader.torch.DataLoader(  # None once closed
             dataset, batch_sampler=self._sampler, num_workers=self.workers, **extra)
 
-    def _epoch(self, batches: list[list[int]]) -> Iterator[Any]:
-        self._sampler.batches = batches
-        for batch in self._loader:
-            out = _torch_to_numpy(batch)  # zero-copy views of the slot
-            del batch  # hold the batch (and its slot) only through `out`
-            yield out
-            del out
-
-    def _close(self) -> None:
-        loader, self._loader = getattr(self, "_loader", None), None
-        if loader is not None:
-            loader.close()
-
-    def verdict(self) -> str | None:
-        return _verdict(self._loader)
+    _convert = staticmethod(_torch_to_numpy)  # tensors -> zero-copy numpy views of the slot
 
 
 class _MPLTorchTensors(_MPLTorch):
