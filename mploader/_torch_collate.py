@@ -262,16 +262,23 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
         columns = [collate_into(samples, alloc) for samples in zip(*batch)]
         if isinstance(elem, tuple):
             return columns
-        try:
-            if isinstance(elem, collections.abc.MutableSequence):
-                seq = copy.copy(elem)
-                for i, c in enumerate(columns):
-                    seq[i] = c
-                return seq
-            return elem_type(columns)
-        except TypeError:
-            return columns
+        return _same_sequence(elem, columns)
     raise TypeError(_ERR.format(elem_type))
+
+
+def _same_sequence(like: Any, items: list) -> Any:
+    """``items`` in a sequence of ``like``'s type, as torch's collate/convert rebuild
+    one: a mutable sequence is copied and refilled, another type is called with the
+    list; a type that cannot be rebuilt gives the list."""
+    try:
+        if isinstance(like, collections.abc.MutableSequence):
+            seq = copy.copy(like)
+            for i, item in enumerate(items):
+                seq[i] = item
+            return seq
+        return type(like)(items)
+    except TypeError:
+        return items
 
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
@@ -342,16 +349,7 @@ def convert_into(data: Any) -> Any:
     if isinstance(data, tuple):
         return [convert_into(d) for d in data]
     if isinstance(data, collections.abc.Sequence) and not isinstance(data, (str, bytes)):
-        items = [convert_into(d) for d in data]
-        try:
-            if isinstance(data, collections.abc.MutableSequence):
-                seq = copy.copy(data)
-                for i, d in enumerate(items):
-                    seq[i] = d
-                return seq
-            return elem_type(items)
-        except TypeError:
-            return items
+        return _same_sequence(data, [convert_into(d) for d in data])
     return data
 
 
