@@ -1,7 +1,7 @@
 """What a checkpoint costs (issue 11): ``state_dict()``, its JSON size, and the time
 from ``load_state_dict()`` to the first batch of a resumed epoch.
 
-Run: ``PYTHONPATH=. python bench/resume_cost.py [--samples N] [--batch B] [--repeats R]``
+Run: ``PYTHONPATH=. python bench/resume_cost.py [--samples N] [--batch B] [--repeats R] [--calls C]``
 
 A resumed map-style epoch is rebuilt by iterating the batch sampler from the
 epoch's start and skipping the batches already received (indices only: the
@@ -10,6 +10,18 @@ the saved position.  Measured on ``mploader.DataLoader(shuffle=True,
 num_workers=0)`` over a dataset whose samples cost nothing, saved halfway through
 an epoch; the "fresh" line is the first batch of a loader that was not resumed,
 for scale.  Medians of ``--repeats`` runs, in milliseconds.
+
+The second part is what torch's per-worker seeding costs per batch
+(``mploader.torch.DataLoader`` without ``seed=``): each worker captures its RNG
+states after every batch (``mploader._rng_state.capture``) and sends them with it,
+about 10 KB, so that a checkpoint can restore them.  Timed in isolation (``--calls``
+calls, median of ``--repeats``, in us per call) with the calibrated reads the
+library uses and with the public getters (``random.getstate``,
+``np.random.get_state``, ``torch.get_rng_state``) it falls back to; then whole
+epochs of tiny batches (batch 1 over a dataset whose samples cost nothing, 2
+workers) with the capture on and stubbed out, the difference per batch; and
+``state_dict()`` + JSON of such a loader mid-epoch.  Loaders with ``seed=`` and
+the other faces do not capture.
 """
 from __future__ import annotations
 
@@ -21,6 +33,7 @@ import time
 import numpy as np
 
 import mploader
+from mploader import _rng_state
 
 
 class Cheap:
@@ -39,6 +52,7 @@ def main() -> None:
     p.add_argument("--samples", type=int, default=1_000_000)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--calls", type=int, default=20_000, help="calls per timing of the RNG capture")
     args = p.parse_args()
     ds = Cheap(args.samples)
     half = args.samples // args.batch // 2
@@ -64,6 +78,87 @@ def main() -> None:
     print(f"state_dict + json.dumps   {statistics.median(save_ms):8.2f} ms   ({len(text):,} bytes of JSON)")
     print(f"load + first batch        {statistics.median(load_ms):8.2f} ms   (rebuilds and skips {half:,} batches)")
     print(f"fresh loader, first batch {statistics.median(fresh_ms):8.2f} ms")
+    capture_cost(args.calls, args.repeats)
+
+
+def _per_call_us(fn: object, calls: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()  # type: ignore[operator]
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
+
+
+def capture_cost(calls: int, repeats: int) -> None:
+    """The torch face's per-batch RNG capture (see the module docstring)."""
+    try:
+        import torch
+    except ImportError:
+        print("torch is not installed: no RNG capture to time")
+        return
+    from mploader import _torch_worker
+    from mploader.torch import DataLoader
+
+    fast = _per_call_us(_rng_state.capture, calls, repeats)
+    layout = (_rng_state._Layout.py_state, _rng_state._Layout.np_gauss)
+    _rng_state._Layout.py_state = _rng_state._Layout.np_gauss = None
+    slow = _per_call_us(_rng_state.capture, max(calls // 20, 1), repeats)
+    _rng_state._Layout.py_state, _rng_state._Layout.np_gauss = layout
+    calibrated = "yes" if None not in layout else f"no {layout}"
+    print(f"RNG capture per batch     {fast:8.2f} us   (calibrated reads: {calibrated}; "
+          f"{len(_rng_state.capture()):,} bytes)")
+    print(f"  with the public getters {slow:8.2f} us")
+
+    class Tiny(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 4_000
+
+        def __getitem__(self, i: int) -> int:
+            return i
+
+    def epoch_us(capture: bool) -> float:
+        original = _torch_worker.Fetch.__init__
+
+        def init(self: object, *a: object, **kw: object) -> None:
+            original(self, *a, **kw)  # type: ignore[arg-type]
+            self.capture_rng = capture  # type: ignore[attr-defined]
+
+        _torch_worker.Fetch.__init__ = init  # type: ignore[method-assign]
+        try:
+            with DataLoader(Tiny(), batch_size=1, num_workers=2, persistent_workers=True) as loader:
+                for _ in loader:   # start the workers, size the slots
+                    pass
+                times = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    n = sum(1 for _ in loader)
+                    times.append((time.perf_counter() - t0) / n * 1e6)
+                return min(times)
+        finally:
+            _torch_worker.Fetch.__init__ = original  # type: ignore[method-assign]
+
+    on, off = [], []
+    for _ in range(repeats):   # interleaved: the machine's load drifts
+        on.append(epoch_us(True))
+        off.append(epoch_us(False))
+    diffs = sorted(a - b for a, b in zip(on, off))
+    print(f"epoch of tiny batches     {statistics.median(on):8.2f} us/batch with the capture, "
+          f"{statistics.median(off):.2f} without (medians of {repeats} interleaved pairs, each the fastest of 3 "
+          f"epochs of 4,000 batches); difference per pair {diffs[0]:+.1f} .. {diffs[-1]:+.1f} us, "
+          f"median {statistics.median(diffs):+.1f} us")
+    with DataLoader(Tiny(), batch_size=1, num_workers=2) as loader:
+        it = iter(loader)
+        for _ in range(10):
+            next(it)
+        save = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            text = json.dumps(loader.state_dict())
+            save.append((time.perf_counter() - t0) * 1e3)
+    print(f"torch face state_dict + json.dumps, 2 workers {statistics.median(save):8.2f} ms "
+          f"({len(text):,} bytes of JSON)")
 
 
 if __name__ == "__main__":

@@ -186,6 +186,7 @@ class MapState:
         self.rng = rng
         self.progress: MapProgress | None = None
         self.pending: dict | None = None   # a loaded state, for the next start_epoch
+        self.workers: tuple | None = None   # a face's own bookkeeping of its running workers (the torch face's)
 
     # ---- iteration ----
 

@@ -10,6 +10,21 @@ replica, so the state records the worker count and the batches received, a loade
 with another ``num_workers`` refuses it (as torchdata), and resuming replays the
 replicas and drops the batches already received (torchdata's fallback for datasets
 without ``state_dict``).
+
+Torch's per-worker seeding (no ``seed=``; issue 11): worker ``i`` seeds its RNGs
+once from ``base_seed + i`` and each batch it builds draws from where its previous
+batch left them, so the state also holds, under ``"worker_rng"``, the base seed and
+each worker's RNG states after its last batch the user received
+(:class:`WorkerStreams`; the worker sends them with every batch), and which worker
+each batch in flight was given (:class:`_Dispatch`'s round robin; a worker answers
+its tasks in order, so its batches received are a prefix of its tasks).  Resuming
+with the same ``num_workers`` starts each worker from its saved states and gives
+the batches that were in flight to the workers that had them, then goes on with the
+saved round-robin position: every batch is built by the same worker from the same
+RNG states as in the uninterrupted run.  Another ``num_workers`` starts the workers
+from the saved base seed (as torchdata restores every worker), so the indices and
+order are exact and the augmentations are not.  IterableDatasets replay the epoch
+from its start, so they hold the workers' states as the epoch started.
 """
 from __future__ import annotations
 
@@ -21,13 +36,14 @@ import torch
 from torch.utils.data import IterableDataset, RandomSampler
 from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
-from . import _state
+from . import _rng_state, _state
 from ._options import check_int
 
 if TYPE_CHECKING:
     from .torch import DataLoader
 
-__all__ = ["Position", "begin", "state_dict", "load_state_dict", "SingleIter", "check_snapshot_every", "next_counted"]
+__all__ = ["Position", "WorkerStreams", "begin", "state_dict", "load_state_dict", "SingleIter",
+           "check_snapshot_every", "next_counted", "worker_resume", "track_workers"]
 
 
 class _GeneratorRNG:
@@ -64,12 +80,44 @@ def _rng_of(sampler: Any) -> Any:
     return None
 
 
+class WorkerStreams:
+    """The RNG streams of one set of torch-seeded workers (they live as long as the
+    workers: one epoch, or every epoch with ``persistent_workers``).
+
+    ``after[i]``: worker ``i``'s RNG states after its last batch the user received --
+    the ``bytes`` its ``Fetch`` sent (:func:`mploader._rng_state.capture`), a loaded
+    JSON state it started from, or None (it has not built a batch received yet: it
+    starts from ``base_seed + i``).  ``at_epoch_start``: ``after`` as the current
+    epoch started (an IterableDataset's resume replays the epoch from there)."""
+
+    __slots__ = ("base_seed", "after", "at_epoch_start")
+
+    def __init__(self, base_seed: int, num_workers: int, states: list | None = None) -> None:
+        self.base_seed = base_seed
+        self.after: list[Any] = list(states) if states is not None else [None] * num_workers
+        self.at_epoch_start: list[Any] = list(self.after)
+
+    def received(self, worker_id: int, rng: Any) -> None:
+        """Worker ``worker_id``'s batch (or its exception) reached the user, with the
+        states it sent (None: not sent -- an exception that could not carry them)."""
+        if rng is not None and 0 <= worker_id < len(self.after):
+            self.after[worker_id] = rng
+
+    def new_epoch(self) -> None:
+        self.at_epoch_start = list(self.after)
+
+    @staticmethod
+    def to_json(states: list) -> list:
+        return [_rng_state.to_json(s) if isinstance(s, bytes) else copy.deepcopy(s) for s in states]
+
+
 class _IterableState:
     """The position of a loader over an IterableDataset (see the module docstring)."""
 
     def __init__(self) -> None:
         self.progress: _state.MapProgress | None = None
         self.pending: dict | None = None
+        self.workers: tuple | None = None   # (WorkerStreams, _Dispatch) of the running iterator
 
 
 def _checkpoint(loader: DataLoader) -> Any:
@@ -81,6 +129,108 @@ def _checkpoint(loader: DataLoader) -> Any:
             ckpt = _state.MapState("torch", loader.dataset, loader._index_sampler, rng=_rng_of(loader.sampler))
         loader.__dict__["_mpl_ckpt"] = ckpt
     return ckpt
+
+
+def _base_seed_generator(loader: DataLoader) -> torch.Generator | None:
+    """``loader.generator`` when the iterators draw their base seeds from it but the
+    sampler does not (shuffle off, or a sampler without it): its state is then saved
+    apart from the sampler's (:class:`MapState`'s ``rng`` covers a shared one)."""
+    generator = loader.generator
+    if not isinstance(generator, torch.Generator) or getattr(loader.sampler, "generator", None) is generator:
+        return None
+    return generator
+
+
+def iterator_starting(loader: DataLoader) -> None:
+    """``DataLoader._get_iterator``: a new iterator is about to draw its base seed;
+    the base-seed generator's state before that draw is what a mid-epoch state
+    restores (the resumed iterator then draws the same base seed)."""
+    generator = _base_seed_generator(loader)
+    loader.__dict__["_mpl_gen_at_iter"] = generator.get_state().tolist() if generator is not None else None
+
+
+def _generator_state(loader: DataLoader, mid_epoch: bool) -> list | None:
+    generator = _base_seed_generator(loader)
+    if generator is None:
+        return None
+    if mid_epoch and loader.__dict__.get("_mpl_gen_at_iter") is not None:
+        return copy.deepcopy(loader.__dict__["_mpl_gen_at_iter"])
+    return generator.get_state().tolist()
+
+
+def _load_generator(loader: DataLoader, state: Any) -> None:
+    saved = state.get("base_seed_generator") if isinstance(state, dict) else None
+    generator = _base_seed_generator(loader)
+    if saved is not None and generator is not None:
+        try:
+            generator.set_state(torch.tensor(saved, dtype=torch.uint8))
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise _state.StateMismatchError(f"cannot load the state: base_seed_generator is not a generator "
+                                            f"state ({exc})") from exc
+
+
+def worker_resume(loader: DataLoader) -> dict | None:
+    """Before the workers of a new iterator start: the loaded state's ``"worker_rng"``
+    when the next epoch resumes one with torch's seeding (None otherwise), with
+    ``states`` and ``assigned`` emptied when the state was saved with another
+    ``num_workers`` (the workers then start from the saved base seed)."""
+    ckpt = _checkpoint(loader)
+    pending = ckpt.pending
+    if pending is None or loader._mpl_seed is not None:
+        return None
+    saved = pending.get("worker_rng")
+    if saved is None:
+        return None
+    saved = copy.deepcopy(saved)
+    if pending.get("num_workers") != loader.num_workers:
+        saved.update(states=None, assigned=[], next_worker=0)
+    return saved
+
+
+def track_workers(loader: DataLoader, streams: WorkerStreams | None, dispatch: Any) -> None:
+    """The running iterator's worker streams and round robin (``_Dispatch``), which
+    :func:`state_dict` reads; None for loaders with ``seed=``."""
+    _checkpoint(loader).workers = (streams, dispatch) if streams is not None else None
+
+
+def _worker_rng(loader: DataLoader, ckpt: Any, mid_epoch: bool) -> dict | None:
+    """The ``"worker_rng"`` entry of a state (None: nothing to restore -- a loader with
+    ``seed=`` or without workers, or between epochs when the next epoch makes new
+    workers)."""
+    if ckpt.workers is None or loader._mpl_seed is not None or (not mid_epoch and not loader.persistent_workers):
+        return None
+    streams, dispatch = ckpt.workers
+    if isinstance(ckpt, _IterableState):
+        states = streams.at_epoch_start if mid_epoch else streams.after
+        return {"base_seed": streams.base_seed, "states": WorkerStreams.to_json(states), "assigned": [],
+                "next_worker": 0}
+    assigned: list = []
+    next_worker = 0
+    if mid_epoch and dispatch is not None:
+        assigned = sorted([b, w] for w, sent in enumerate(dispatch.sent) for b in sent)
+        next_worker = dispatch.cycle
+    return {"base_seed": streams.base_seed, "states": WorkerStreams.to_json(streams.after),
+            "assigned": assigned, "next_worker": next_worker}
+
+
+def _check_worker_rng(saved: Any) -> None:
+    if saved is None:
+        return
+    if not isinstance(saved, dict):
+        raise _state.StateMismatchError(f"cannot load the state: worker_rng must be a dict or None, got {saved!r:.80}")
+    check_int("worker_rng['base_seed']", saved.get("base_seed"), minimum=0)
+    check_int("worker_rng['next_worker']", saved.get("next_worker"), minimum=0)
+    states = saved.get("states")
+    if not isinstance(states, list):
+        raise _state.StateMismatchError(f"cannot load the state: worker_rng['states'] must be a list, got "
+                                        f"{states!r:.80}")
+    for i, st in enumerate(states):
+        if st is not None:
+            _rng_state.check_json(st, f"worker_rng['states'][{i}]")
+    assigned = saved.get("assigned")
+    if not isinstance(assigned, list) or not all(isinstance(a, list) and len(a) == 2 for a in assigned):
+        raise _state.StateMismatchError(f"cannot load the state: worker_rng['assigned'] must be a list of "
+                                        f"[batch_index, worker_id] pairs, got {assigned!r:.80}")
 
 
 class Position:
@@ -141,14 +291,28 @@ def state_dict(loader: DataLoader) -> dict:
         if ckpt.pending is not None:
             return copy.deepcopy(ckpt.pending)
         progress = ckpt.progress
+        mid_epoch = progress is not None and not progress.finished
         if progress is None or progress.finished:
             epoch, consumed = loader._mpl_epoch, 0
         else:
             epoch, consumed = progress.epoch, progress.consumed
         return {"version": _state.VERSION, "kind": "iterable", "face": "torch",
                 "dataset_type": _state.type_name(loader.dataset), "num_workers": loader.num_workers,
-                "epoch": epoch, "batches_consumed": consumed, "seed": seed}
-    return ckpt.state(loader._mpl_epoch, seed, {"num_workers": loader.num_workers})
+                "epoch": epoch, "batches_consumed": consumed, "seed": seed,
+                "worker_rng": _worker_rng(loader, ckpt, mid_epoch),
+                "base_seed_generator": _generator_state(loader, mid_epoch)}
+    if ckpt.pending is not None:
+        return ckpt.state(loader._mpl_epoch, seed)
+    mid_epoch = ckpt.progress is not None and not ckpt.progress.finished
+    state = ckpt.state(loader._mpl_epoch, seed, {"num_workers": loader.num_workers,
+                                                 "worker_rng": _worker_rng(loader, ckpt, mid_epoch),
+                                                 "base_seed_generator": _generator_state(loader, mid_epoch)})
+    if not mid_epoch and loader.__dict__.get("_iterator") is not None and state["rng_at"] == "epoch_start":
+        # Persistent workers: the next epoch reuses the iterator, which draws no base
+        # seed, but a fresh loader's first iter() does -- so the sampler's generator
+        # is set at its first pull, after that draw.
+        state["rng_at"] = "first_pull"
+    return state
 
 
 def load_state_dict(loader: DataLoader, state: Any) -> None:
@@ -164,11 +328,15 @@ def load_state_dict(loader: DataLoader, state: Any) -> None:
                 f"replica, so it resumes only with the same number of workers)")
         for name in ("epoch", "batches_consumed"):
             check_int(name, state.get(name), minimum=0)
+        _check_worker_rng(state.get("worker_rng"))
         ckpt.pending = copy.deepcopy(dict(state))
         ckpt.progress = None
         loaded = ckpt.pending
     else:
+        if isinstance(state, dict):
+            _check_worker_rng(state.get("worker_rng"))
         loaded = ckpt.load(state, seed_none_ok=True)
+    _load_generator(loader, loaded)
     loader._mpl_epoch = loaded["epoch"]
     seed = loaded["seed"]
     if seed is not None:

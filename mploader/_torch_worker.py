@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import IterableDataset
 from torch.utils.data._utils import worker as _torch_worker
 
+from . import _rng_state
 from ._torch_collate import collate_into, convert_into, pack, stock_default_collate
 
 _MASK32 = 0xFFFFFFFF
@@ -64,6 +65,12 @@ class WorkerInit:
     returns torch's ``WorkerInfo(id, num_workers, seed, dataset)``; then the user's
     ``worker_init_fn(worker_id)``.  ``base_seed`` is set by the parent before the
     workers of an epoch start (torch draws a new one for every iterator).
+
+    ``rng_states`` (set by the parent with ``base_seed``; issue 11): a resumed
+    checkpoint's RNG states per worker id, a :func:`mploader._rng_state.to_json`
+    dict or None.  A worker with a state restores it after ``worker_init_fn``, so
+    it goes on drawing where the saved loader's worker ``i`` stood after its last
+    batch the user received.
     """
 
     def __init__(self, dataset: Any, worker_init_fn: Callable[[int], None] | None, per_batch: bool) -> None:
@@ -71,6 +78,7 @@ class WorkerInit:
         self.worker_init_fn = worker_init_fn
         self.per_batch = per_batch
         self.base_seed = 0
+        self.rng_states: list[dict | None] | None = None
 
     def __call__(self, worker_id: int, num_workers: int) -> None:
         torch.set_num_threads(1)
@@ -83,6 +91,9 @@ class WorkerInit:
             id=worker_id, num_workers=num_workers, seed=seed, dataset=self.dataset)
         if self.worker_init_fn is not None:
             self.worker_init_fn(worker_id)
+        state = self.rng_states[worker_id] if self.rng_states and worker_id < len(self.rng_states) else None
+        if state is not None and not self.per_batch:
+            _rng_state.restore(state)
 
 
 #: What a worker's payload is (the third item of what :class:`Fetch` returns).
@@ -95,7 +106,7 @@ DEFAULT, CONVERT, CUSTOM = "default", "convert", "custom"
 class Fetch:
     """The engine's ``fetch(dataset, indices, alloc)`` for the torch face.
 
-    Returns ``(worker_id, payload, kind)``: ``kind`` ARRAYS -- the batch with arrays
+    Returns ``(worker_id, payload, kind, rng)``: ``kind`` ARRAYS -- the batch with arrays
     where torch has tensors (the parent applies
     :func:`~mploader._torch_collate.to_tensors`); PACKED -- a
     :func:`~mploader._torch_collate.pack` result (the parent unpacks it); EXHAUSTED
@@ -115,10 +126,17 @@ class Fetch:
     ``mode``: DEFAULT (:func:`collate_into`, or ``default_collate`` + :func:`pack`
     when ``default_collate_fn_map`` was extended), CONVERT (:func:`convert_into`),
     CUSTOM (``collate_fn`` + :func:`pack`).
+
+    ``rng``: with ``capture_rng`` (torch's per-worker seeding), the worker's RNG
+    states after the batch (:func:`mploader._rng_state.capture`, ``bytes``), which
+    a checkpoint needs; else None.  An exception raised by the batch carries them
+    as its ``mploader_rng`` attribute (when it can take one).
     """
 
-    def __init__(self, mode: str, collate_fn: Callable, auto_collation: bool, drop_last: bool) -> None:
+    def __init__(self, mode: str, collate_fn: Callable, auto_collation: bool, drop_last: bool,
+                 capture_rng: bool = False) -> None:
         self.mode = mode
+        self.capture_rng = capture_rng
         self.auto_collation = auto_collation
         self.collate_fn = collate_fn
         self.drop_last = drop_last
@@ -126,23 +144,36 @@ class Fetch:
         self._iter: Any = None
         self._ended = False
 
-    def __call__(self, dataset: Any, indices: Any, alloc: Callable) -> tuple[int, Any, int]:
+    def __call__(self, dataset: Any, indices: Any, alloc: Callable) -> tuple[int, Any, int, bytes | None]:
         info = _torch_worker._worker_info
         wid = info.id if info is not None else -1
+        if not self.capture_rng:
+            return (wid, *self._load(dataset, indices, alloc), None)
+        try:
+            payload, kind = self._load(dataset, indices, alloc)
+        except Exception as exc:
+            try:
+                exc.mploader_rng = _rng_state.capture()  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001 - an exception type without attributes: the state is not known
+                pass
+            raise
+        return (wid, payload, kind, _rng_state.capture())
+
+    def _load(self, dataset: Any, indices: Any, alloc: Callable) -> tuple[Any, int]:
         if isinstance(dataset, IterableDataset):
             data = self._next_samples(dataset, indices)
             if data is _END:
-                return (wid, None, EXHAUSTED)
+                return (None, EXHAUSTED)
         elif self.auto_collation:
             getitems = getattr(dataset, "__getitems__", None)
             data = getitems(indices) if getitems else [dataset[i] for i in indices]
         else:
             data = dataset[indices]
         if self.mode == DEFAULT and stock_default_collate():
-            return (wid, collate_into(data, alloc), ARRAYS)
+            return (collate_into(data, alloc), ARRAYS)
         if self.mode == CONVERT:
-            return (wid, convert_into(data), ARRAYS)
-        return (wid, pack(self.collate_fn(data)), PACKED)
+            return (convert_into(data), ARRAYS)
+        return (pack(self.collate_fn(data)), PACKED)
 
     def _next_samples(self, dataset: Any, indices: Any) -> Any:
         _, epoch, n = indices

@@ -141,6 +141,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
     # ---- iterators ----
 
     def _get_iterator(self) -> _BaseDataLoaderIter:
+        _torch_state.iterator_starting(self)   # before the iterator draws its base seed
         if self.num_workers == 0:
             if self._mpl_seed is None:
                 return _torch_state.SingleIter(self)
@@ -170,7 +171,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 mode = CONVERT
             else:
                 mode = CUSTOM
-            fetch = Fetch(mode, self.collate_fn, self._auto_collation, self.drop_last)
+            fetch = Fetch(mode, self.collate_fn, self._auto_collation, self.drop_last,
+                          capture_rng=self._mpl_seed is None)
             init = WorkerInit(self.dataset, self.worker_init_fn, per_batch=self._mpl_seed is not None)
             pinner = self._mpl_host_pinner = self._mpl_pinner()
             self._mpl_engine = _engine.Engine(
@@ -220,7 +222,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         """Pickling (deepcopy, spawned trainers) drops the workers; the copy starts its own."""
         state = self.__dict__.copy()
         state.update(_iterator=None, _mpl_engine=None, _mpl_engine_key=None, _mpl_init=None, _mpl_pinned=False,
-                     _mpl_host_pinner=None, _mpl_ckpt=None)
+                     _mpl_host_pinner=None, _mpl_ckpt=None, _mpl_gen_at_iter=None)
         return state
 
     # ---- checkpoints (issue 11; mploader/_torch_state.py, docs/design.md "Checkpoint state") ----
@@ -320,23 +322,36 @@ class _RingIter(_BaseDataLoaderIter):
         self._is_iterable = isinstance(self._dataset, IterableDataset)
         self._engine: _engine.Engine | None = None
         self._run: Any = None
+        self._mpl_streams: _torch_state.WorkerStreams | None = None
         self._reset(loader, first_iter=True)
 
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
         engine = self._engine
-        if first_iter or not self._persistent_workers or engine is None or engine.closed:
+        resume = _torch_state.worker_resume(loader)   # a checkpoint's workers (torch's seeding)
+        if first_iter or not self._persistent_workers or engine is None or engine.closed or resume is not None:
             # New workers for this iterator, seeded from this iterator's base seed
             # (torch draws one per iterator; persistent workers keep theirs and,
-            # as torch's, ignore later changes to the loader's attributes).
+            # as torch's, ignore later changes to the loader's attributes) -- or
+            # from the checkpoint's base seed and RNG states.
             engine, init = loader._mpl_get_engine()
             engine.stop_workers()
+            if resume is not None:
+                self._base_seed = resume["base_seed"]
             init.base_seed = self._base_seed
+            init.rng_states = resume["states"] if resume is not None else None
+            self._mpl_streams = (None if loader._mpl_seed is not None else
+                                 _torch_state.WorkerStreams(self._base_seed, self._num_workers, init.rng_states))
+        elif self._mpl_streams is not None:
+            self._mpl_streams.new_epoch()
         self._engine = engine
         self._pinned_region = loader._mpl_pinned
         self._dispatch = _Dispatch(self._num_workers, self._prefetch_factor, self._in_order)
+        if resume is not None:
+            self._dispatch.resume(resume["assigned"], resume["next_worker"])
         self._epoch = loader._mpl_next_epoch()
         self._mpl_pos = _torch_state.begin(loader, self._epoch, self._sampler_iter)
+        _torch_state.track_workers(loader, self._mpl_streams, self._dispatch)
         self._run = engine.run(self._dispatch.tasks(self._epoch, self._mpl_pos.pairs, self._is_iterable),
                                in_order=self._in_order)
 
@@ -344,7 +359,7 @@ class _RingIter(_BaseDataLoaderIter):
         pos = self._mpl_pos
         while True:
             try:
-                wid, payload, kind = next(self._run)
+                wid, payload, kind, rng = next(self._run)
             except StopIteration:
                 pos.finish()
                 if not self._persistent_workers and self._engine is not None:
@@ -360,8 +375,12 @@ class _RingIter(_BaseDataLoaderIter):
                 if 0 <= wid < self._num_workers:
                     self._dispatch.num_tasks[wid] -= 1
                     pos.received(self._dispatch.sent[wid].popleft())   # the exception used up its batch
+                    if self._mpl_streams is not None:
+                        self._mpl_streams.received(wid, getattr(exc, "mploader_rng", None))
                 raise _as_torch_error(exc, cause) from cause
             batch_index = self._dispatch.sent[wid].popleft()   # a worker answers its tasks in order
+            if rng is not None and self._mpl_streams is not None:
+                self._mpl_streams.after[wid] = rng   # the worker's RNGs after this batch (checkpoints)
             if kind == EXHAUSTED:
                 self._dispatch.active[wid] = False
                 continue
@@ -391,6 +410,14 @@ class _Dispatch:
         self.num_tasks = [0] * num_workers
         self.sent: list[collections.deque] = [collections.deque() for _ in range(num_workers)]  # batch indices
         self.cycle = 0
+        self.preassigned: dict[int, int] = {}   # batch index -> worker, from a checkpoint
+
+    def resume(self, assigned: list, next_worker: int) -> None:
+        """A checkpoint's round robin: the batches that were in flight (``[batch_index,
+        worker_id]``) go to the workers that had them, then the cycle goes on from
+        ``next_worker``."""
+        self.preassigned = {b: w for b, w in assigned if 0 <= w < self.num_workers}
+        self.cycle = next_worker % self.num_workers
 
     def _pick(self) -> int | None:
         active, num_tasks = self.active, self.num_tasks
@@ -405,8 +432,11 @@ class _Dispatch:
         """``(epoch, batch_index, indices, worker_id)`` for each ``(batch_index, index)``
         pair (the checkpoint's stream over what the sampler yields); for an
         IterableDataset ``indices`` is ``("iter", epoch, batch size or None)``."""
+        preassigned = self.preassigned
         for send_idx, index in pairs:
-            worker = self._pick()
+            worker = preassigned.pop(send_idx, None) if preassigned else self._pick()
+            if worker is None:
+                worker = self._pick()
             if worker is None:
                 if not any(self.active):
                     return

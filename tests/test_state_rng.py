@@ -1,0 +1,400 @@
+"""Checkpoints of the PyTorch face with torch's per-worker seeding (no ``seed=``; issue
+11): the workers' RNG streams survive a resume.
+
+Every sample draws from ``random``, NumPy's global RNG (a Gaussian, so NumPy's
+cached second value matters) and torch's, and carries the id and seed of the worker
+that built it.  Two references:
+
+* the uninterrupted run of the same loader (same generator seed): a loader restored
+  from the state saved after any batch of two short epochs must yield exactly the
+  batches that followed (values, augmentations, order);
+* torch's own seeding rule, replayed in this process (:func:`check_streams`): a
+  worker seeded with ``s = base_seed + id`` -- ``random.seed(s)``,
+  ``torch.manual_seed(s)``, ``np.random.seed(_generate_state(base_seed, id))``, torch's
+  functions -- that builds its batches one after the other must produce exactly the
+  values its samples carry.  This holds whatever worker built which batch, so it
+  checks ``in_order=False`` runs (whose assignment depends on timing) stitched
+  across the save point: each worker must go on from where it stood.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import random
+import struct
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("torchdata.stateful_dataloader")
+
+from torch.utils.data import get_worker_info  # noqa: E402
+from torch.utils.data._utils.worker import _generate_state  # noqa: E402
+from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
+
+from mploader import _rng_state  # noqa: E402
+from mploader._state import StateMismatchError  # noqa: E402
+from mploader.torch import DataLoader  # noqa: E402
+
+pytestmark = [pytest.mark.usefixtures("no_leaks"),
+              pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning"),
+              pytest.mark.filterwarnings("ignore:This DataLoader will create:UserWarning")]
+
+N = 16          # samples: 8 batches of 2 per epoch
+BATCH = 2
+EPOCHS = 2
+PER_EPOCH = N // BATCH
+
+
+def draw(i):
+    """The augmentation: one draw from each global RNG (NumPy's is a Gaussian)."""
+    return [float(i), random.random(), float(np.random.standard_normal()), float(torch.rand(()))]
+
+
+class Augmented(torch.utils.data.Dataset):
+    """``([i, worker id, worker seed] as int64, [random, numpy normal, torch] as
+    float64)``."""
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        wid, seed = (info.id, info.seed) if info is not None else (-1, -1)
+        return torch.tensor([i, wid, seed]), torch.tensor(draw(i)[1:], dtype=torch.float64)
+
+
+def as_list(batch):
+    """A batch as ``[[i, worker id, worker seed, random, normal, torch], ...]``."""
+    return [[*ids, *values] for ids, values in zip(batch[0].tolist(), batch[1].tolist())]
+
+
+def make(workers, persistent=False, in_order=True, shuffle=True, **kw):
+    return DataLoader(Augmented(), batch_size=BATCH, shuffle=shuffle, num_workers=workers,
+                      persistent_workers=persistent, in_order=in_order,
+                      generator=torch.Generator().manual_seed(11), **kw)
+
+
+def snapshot(loader):
+    if isinstance(loader, StatefulDataLoader):
+        return copy.deepcopy(loader.state_dict())
+    return json.loads(json.dumps(loader.state_dict()))
+
+
+def run_all(loader):
+    """Every batch of two epochs (lists of samples); the state before each batch and
+    after each epoch's StopIteration."""
+    states, batches = [snapshot(loader)], []
+    for _ in range(EPOCHS):
+        for batch in loader:
+            batches.append(as_list(batch))
+            states.append(snapshot(loader))
+        states[-1] = snapshot(loader)
+    return states, batches
+
+
+def resumed(make_loader, state, needed):
+    loader = make_loader()
+    loader.load_state_dict(state)
+    out = []
+    for _ in range(EPOCHS + 1):
+        if len(out) >= needed:
+            break
+        out.extend(as_list(b) for b in loader)
+    if hasattr(loader, "close"):
+        loader.close()
+    return out[:needed]
+
+
+def replay(seed, wid, indices):
+    """What a worker seeded by torch's rule draws for ``indices``, one after the other
+    (this process's RNG states are put back afterwards)."""
+    saved = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    try:
+        random.seed(seed)
+        torch.manual_seed(seed)
+        np.random.seed(_generate_state(seed - wid, wid))
+        return [draw(i) for i in indices]
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.random.set_rng_state(saved[2])
+
+
+def check_streams(batches):
+    """Every worker's samples, in the order it built them, are torch's seeding rule
+    replayed (see the module docstring).  A worker answers its tasks in order, so the
+    order of its batches in ``batches`` is the order it built them."""
+    streams: dict[tuple, list] = {}
+    for batch in batches:
+        for sample in batch:
+            streams.setdefault((sample[1], sample[2]), []).append(sample)
+    assert streams and all(wid >= 0 for wid, _ in streams)
+    for (wid, seed), samples in streams.items():
+        want = replay(seed, wid, [int(s[0]) for s in samples])
+        assert [[float(s[0]), *s[3:]] for s in samples] == want, (wid, seed)
+
+
+def epochs_complete(batches):
+    ids = [int(s[0]) for b in batches for s in b]
+    assert len(ids) == EPOCHS * N
+    for e in range(EPOCHS):
+        assert sorted(ids[e * N:(e + 1) * N]) == list(range(N))
+
+
+# ---- the capture itself ----
+
+def test_capture_reads_what_the_public_getters_return():
+    """The calibrated memory reads give the states of ``random.getstate()``,
+    ``np.random.get_state()`` (with and without a cached Gaussian) and
+    ``torch.get_rng_state()``, byte for byte the blob the public getters make, and
+    :func:`restore` brings the three generators back."""
+    saved = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+    try:
+        for step in range(4):
+            random.seed(step)
+            np.random.seed(step)
+            torch.manual_seed(step)
+            for _ in range(step):
+                random.gauss(0, 1)
+                np.random.standard_normal()   # odd steps leave a cached Gaussian
+                torch.rand(5)
+            fast = _rng_state.capture()
+            state = _rng_state.to_json(fast)
+            py, npy = random.getstate(), np.random.get_state()
+            assert state["python"] == {"state": list(py[1]), "gauss_next": py[2]}
+            assert state["numpy"] == {"key": npy[1].tolist(), "pos": npy[2], "has_gauss": npy[3], "gauss": npy[4]}
+            assert npy[3] == step % 2
+            assert state["torch"] == torch.random.get_rng_state().tolist()
+            layout = (_rng_state._Layout.py_state, _rng_state._Layout.np_gauss)
+            _rng_state._Layout.py_state = _rng_state._Layout.np_gauss = None
+            try:
+                assert _rng_state.capture() == fast
+            finally:
+                _rng_state._Layout.py_state, _rng_state._Layout.np_gauss = layout
+            want = [draw(0) for _ in range(3)]
+            random.seed(99)
+            np.random.seed(99)
+            torch.manual_seed(99)
+            _rng_state.restore(json.loads(json.dumps(state)))
+            assert [draw(0) for _ in range(3)] == want
+        assert None not in layout, "the calibrated reads are not in use on this interpreter"
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.random.set_rng_state(saved[2])
+
+
+def test_capture_is_native_bytes_of_the_documented_layout():
+    blob = _rng_state.capture()
+    index = struct.unpack_from("=i", blob)[0]
+    assert index == random.getstate()[1][-1]
+    assert len(blob) == _rng_state._FIXED + torch.random.get_rng_state().numel()
+
+
+# ---- resume against the uninterrupted run ----
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_resume_at_every_position_continues_the_uninterrupted_run(workers, persistent):
+    """Saved after every batch of two epochs (and before the first, and after each
+    StopIteration), restored into a fresh loader with the same ``num_workers``: the
+    batches that follow are the uninterrupted run's, augmentations included; that
+    run is torch's seeding rule replayed."""
+    with make(workers, persistent) as saved:
+        states, want = run_all(saved)
+    check_streams(want)
+    epochs_complete(want)
+    wrong = [p for p, state in enumerate(states)
+             if resumed(lambda: make(workers, persistent), state, len(want) - p) != want[p:]]
+    assert wrong == []
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_in_order_false_every_worker_goes_on_where_it_stood(persistent):
+    """``in_order=False``: which worker builds which batch depends on timing, so the
+    uninterrupted run is not a fixed reference; instead the saved run's batches up to
+    the save point followed by the resumed run's must be every worker's stream
+    replayed without a gap, and each epoch every sample once.  The batches in flight
+    at the save go to the workers that had them."""
+    def loader():
+        return make(2, persistent, in_order=False, shuffle=False)   # batch b holds samples 2b, 2b + 1
+
+    with loader() as saved:
+        states, got = run_all(saved)
+    check_streams(got)
+    moved = 0
+    for p, state in enumerate(states):
+        rest = resumed(loader, state, len(got) - p)
+        check_streams(got[:p] + rest)
+        epochs_complete(got[:p] + rest)
+        assigned = (state["worker_rng"] or {}).get("assigned", [])
+        for b, w in assigned:
+            built_by = next(batch[0][1] for batch in rest if batch[0][0] == BATCH * b)
+            assert built_by == w, (p, b)
+        moved += len(assigned)
+    assert moved > 0
+
+
+def test_in_flight_batches_go_back_to_their_workers():
+    """The state names the batches in flight and their workers; the resumed run gives
+    each to the same worker (its samples carry the worker id)."""
+    with make(2) as saved:
+        it = iter(saved)
+        first = [as_list(next(it)) for _ in range(3)]
+        state = json.loads(json.dumps(saved.state_dict()))
+        rest = [as_list(b) for b in it]
+    assigned = state["worker_rng"]["assigned"]
+    assert assigned and [b for b, _ in assigned] == list(range(3, 3 + len(assigned)))
+    assert [w for _, w in assigned] == [b % 2 for b, _ in assigned]   # torch's round robin
+    with make(2) as loader:
+        loader.load_state_dict(state)
+        again = [as_list(b) for b in loader]
+    assert again == rest
+    check_streams(first + again)
+
+
+def test_workers_start_after_worker_init_fn():
+    """A ``worker_init_fn`` that reseeds (the usual NumPy recipe) runs first; the
+    restored states are set after it, so the stream still goes on."""
+    def reseed(wid):
+        np.random.seed(torch.initial_seed() % 2**32)
+
+    def loader():
+        return make(2, worker_init_fn=reseed)
+
+    with loader() as saved:
+        states, want = run_all(saved)
+    for p in (3, 5):
+        assert resumed(loader, states[p], len(want) - p) == want[p:]
+
+
+def test_another_worker_count_starts_the_workers_from_the_saved_base_seed():
+    """Documented (docs/faces.md): under torch's seeding a worker's stream depends on
+    the batches it built, so with another ``num_workers`` the resumed batches have
+    the uninterrupted run's indices and order, and each new worker ``i`` starts from
+    the saved base seed ``+ i`` (as torchdata restores every worker) -- its
+    augmentations are not the uninterrupted run's.  With ``seed=`` they are
+    (tests/test_state_torch.py::test_any_worker_count_with_seed)."""
+    with make(2) as saved:
+        states, want = run_all(saved)
+    base = int(want[0][0][2]) - int(want[0][0][1])
+    for workers in (1, 3):
+        got = resumed(lambda w=workers: make(w), states[3], PER_EPOCH - 3)
+        assert [[s[0] for s in b] for b in got] == [[s[0] for s in b] for b in want[3:PER_EPOCH]]
+        assert {int(s[2]) - int(s[1]) for b in got for s in b} == {base}
+        check_streams(got)
+        assert got != want[3:PER_EPOCH]
+
+
+def test_state_is_json_and_refuses_a_malformed_worker_state():
+    with make(2) as saved:
+        it = iter(saved)
+        next(it)
+        state = json.loads(json.dumps(saved.state_dict()))
+    rng = state["worker_rng"]
+    assert sorted(rng) == ["assigned", "base_seed", "next_worker", "states"]
+    assert rng["states"][1] is None and set(rng["states"][0]) == {"python", "numpy", "torch"}
+    bad = copy.deepcopy(state)
+    bad["worker_rng"]["states"][0]["numpy"]["key"] = [1, 2]
+    with make(2) as loader:
+        with pytest.raises(ValueError, match=r"worker_rng\['states'\]\[0\]\['numpy'\] is not an RNG state"):
+            loader.load_state_dict(bad)
+    bad = copy.deepcopy(state)
+    bad["worker_rng"]["assigned"] = [[1]]
+    with make(2) as loader:
+        with pytest.raises(StateMismatchError, match=r"worker_rng\['assigned'\] must be a list of "
+                                                     r"\[batch_index, worker_id\] pairs"):
+            loader.load_state_dict(bad)
+
+
+def test_per_batch_seeding_carries_no_worker_state():
+    """With ``seed=`` the workers send no RNG states and the state has none: each
+    batch's seed is (seed, epoch, batch index)."""
+    with make(2, seed=5) as loader:
+        it = iter(loader)
+        next(it)
+        assert loader.state_dict()["worker_rng"] is None
+
+
+def test_persistent_workers_resume_at_an_epoch_boundary_with_seed():
+    """Regression: with persistent workers the next epoch draws no base seed from the
+    generator but a fresh loader's first ``iter()`` does; a state saved between epochs
+    (here with ``seed=``) used to resume with another permutation."""
+    def loader():
+        return make(1, persistent=True, seed=4)
+
+    with loader() as saved:
+        first = [as_list(b) for b in saved]
+        state = json.loads(json.dumps(saved.state_dict()))
+        want = [as_list(b) for b in saved]
+    assert [s[0] for b in want for s in b] != [s[0] for b in first for s in b]
+    with loader() as again:
+        again.load_state_dict(state)
+        assert [as_list(b) for b in again] == want
+
+
+# ---- torchdata ----
+
+def test_torchdata_restarts_every_worker_from_its_base_seed():
+    """What torchdata 0.11's ``StatefulDataLoader`` does with the workers' RNGs: it
+    saves the base seed and, on resume, seeds every worker ``i`` from ``base_seed +
+    i`` again, so after a mid-epoch restore a worker draws what it drew at the start
+    of the epoch: the indices and order are the uninterrupted run's (as ours), the
+    augmentations are not (ours are)."""
+    def theirs():
+        return StatefulDataLoader(Augmented(), batch_size=BATCH, num_workers=2,
+                                  generator=torch.Generator().manual_seed(11))
+
+    saved = theirs()
+    states, want = run_all(saved)
+    check_streams(want)
+    with make(2, shuffle=False) as ours:
+        ours_states, ours_want = run_all(ours)
+    for p in (2, 3, 5):
+        got = resumed(theirs, states[p], PER_EPOCH - p)
+        assert [[s[0] for s in b] for b in got] == [[s[0] for s in b] for b in want[p:PER_EPOCH]]
+        assert got != want[p:PER_EPOCH]
+        check_streams(got)   # a fresh start from base_seed + i: the epoch's first draws again
+        assert resumed(lambda: make(2, shuffle=False), ours_states[p], PER_EPOCH - p) == ours_want[p:PER_EPOCH]
+
+
+class AugmentedStream(torch.utils.data.IterableDataset):
+    """Each worker's replica yields its share ``i::W`` of ``range(N)`` as
+    :class:`Augmented`'s samples."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        return (Augmented()[i] for i in range(wid, N, nw))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_iterable_dataset_replays_the_epoch_from_the_saved_streams(persistent):
+    """An IterableDataset resumes by replaying the epoch in new replicas: the workers
+    start from the saved base seed and, with persistent workers, from their states as
+    the epoch started, so the replayed and the following batches are the
+    uninterrupted run's."""
+    def loader():
+        return DataLoader(AugmentedStream(), batch_size=BATCH, num_workers=2, persistent_workers=persistent,
+                          generator=torch.Generator().manual_seed(11))
+
+    with loader() as saved:
+        states, want = run_all(saved)
+    check_streams(want)
+    epochs_complete(want)
+    wrong = [p for p, state in enumerate(states) if resumed(loader, state, len(want) - p) != want[p:]]
+    assert wrong == []
+
+
+def test_shuffle_off_the_generator_only_seeds_the_workers():
+    """Shuffle off: ``generator`` only feeds the base seeds, one per iterator; the state
+    carries it apart from the sampler's (a state saved between two epochs used to
+    give the next epoch the first epoch's base seed again)."""
+    with make(2, shuffle=False) as saved:
+        states, want = run_all(saved)
+    assert len({s[2] for b in want for s in b}) == 2 * EPOCHS   # a new base seed per epoch
+    p = PER_EPOCH
+    assert states[p]["base_seed_generator"] is not None
+    assert resumed(lambda: make(2, shuffle=False), states[p], len(want) - p) == want[p:]
