@@ -44,7 +44,7 @@ class WorkerProcess:
     scheduler; everything else to this module.
     """
 
-    __slots__ = ("wid", "pid", "pidfd", "conn", "process", "status", "outstanding", "mailbox", "sent",
+    __slots__ = ("wid", "pid", "pidfd", "conn", "fd", "process", "status", "outstanding", "mailbox", "sent",
                  "retiring", "replaced")
 
     def __init__(self, wid: int, pid: int, conn: Any, process: Any = None) -> None:
@@ -52,6 +52,7 @@ class WorkerProcess:
         self.pid = pid
         self.pidfd = os.pidfd_open(pid)
         self.conn = conn
+        self.fd = conn.fileno()         # the task pipe, written by _protocol.write_all; -1 once closed
         self.process = process          # multiprocessing.Process for spawn/forkserver, else None
         self.status: ExitStatus | None = None
         self.outstanding: collections.deque = collections.deque()
@@ -91,6 +92,7 @@ class WorkerProcess:
             except OSError:
                 pass
         self.pidfd = -1
+        self.fd = -1
 
 
 def exited(workers: list[WorkerProcess], timeout_s: float) -> list[WorkerProcess]:

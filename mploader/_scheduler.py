@@ -26,9 +26,10 @@ from . import _ring
 from ._descriptor import decode
 from ._errors import UNKNOWN_STATUS, BatchFailure, WorkerError
 from ._executors import WorkerProcess, exited, stop_workers
+from ._hot import defer_signals, restore_signals
 from ._metrics import Meter
-from ._protocol import PIPE_HEADER, encode_retire, encode_task
-from ._waiting import WaitClock, defer_signals, restore_signals, spin_for
+from ._protocol import PIPE_HEADER, frame_retire, frame_task, write_all
+from ._waiting import WaitClock, spin_for
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -185,7 +186,7 @@ class Scheduler:
         self.seq = seq + 1
         task = _Task(seq, slot, worker, source[0], source[1], source[2], self.generation, source)
         try:
-            worker.conn.send_bytes(encode_task(seq, slot, source[0], source[1], source[2]))
+            write_all(worker.fd, frame_task(seq, slot, source[0], source[1], source[2]))
         except OSError:
             if slot >= 0:
                 region.reclaim(slot)
@@ -199,7 +200,7 @@ class Scheduler:
         if limit and worker.sent >= limit and not worker.retiring:
             worker.retiring = True
             try:
-                worker.conn.send_bytes(encode_retire())
+                write_all(worker.fd, frame_retire())
             except OSError:
                 pass
         return True

@@ -1,18 +1,15 @@
-"""How the parent waits: interrupts deferred around its critical steps, a wait clock
-that does not count time the process was stopped, and the spin-before-sleep policy.
+"""How the parent waits: a wait clock that does not count time the process was
+stopped, and the spin-before-sleep policy.  (Interrupts are deferred around the
+parent's critical steps by ``mploader._hot.defer_signals``.)
 
 docs/design.md, "Faults", says why each exists.
 """
 from __future__ import annotations
 
-import _signal  # the C module behind signal (pyproject: no stub, ignored)
 import os
-import signal
-import threading
 import time
-from typing import Any
 
-__all__ = ["WaitClock", "defer_signals", "restore_signals", "SPIN_S", "spin_for"]
+__all__ = ["WaitClock", "SPIN_S", "spin_for"]
 
 
 #: How long the parent spins on a slot before sleeping on its futex, where a core is
@@ -50,32 +47,3 @@ class WaitClock:
         self.last = now
         return self.waited
 
-
-#: Signals whose Python handlers are held back during a dispatch or a handoff (not
-#: the synchronous fault signals, which cannot wait).
-_DEFERRABLE = frozenset(signal.valid_signals()) - {signal.SIGKILL, signal.SIGSTOP, signal.SIGSEGV, signal.SIGBUS,
-                                                    signal.SIGFPE, signal.SIGILL, signal.SIGTRAP, signal.SIGABRT}
-
-
-def defer_signals() -> Any:
-    """Block signal delivery to this thread (only the main thread runs Python signal
-    handlers, so other threads need nothing); returns the mask to restore.  A
-    handler already triggered runs at the first check after this call -- before
-    anything of the critical section happened -- and one triggered later runs
-    after :func:`restore_signals`, once it is complete."""
-    if threading.current_thread() is not _MAIN:
-        return None
-    return _sigmask(signal.SIG_BLOCK, _DEFERRABLE)
-
-
-def restore_signals(old: Any) -> None:
-    if old is not None:
-        _sigmask(signal.SIG_SETMASK, old)
-
-
-# The C function itself: signal.pthread_sigmask converts the old mask to a set of
-# Signals enum members, which costs ~70 us for a full mask; ints are all we need.
-_sigmask = _signal.pthread_sigmask
-
-
-_MAIN = threading.main_thread()

@@ -26,7 +26,7 @@ from . import _ring
 from ._descriptor import SlotWriter
 from ._errors import BatchFailure
 from ._metrics import WorkerBusy
-from ._protocol import PIPE_HEADER, TaskReader, decode_task
+from ._protocol import PIPE_HEADER, TaskReader
 
 _MASK64 = (1 << 64) - 1
 
@@ -170,31 +170,30 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
     meter = WorkerBusy(boot.busy) if boot.busy is not None else None
     while True:
         try:
-            msg = reader.next()
+            task = reader.next()
         except (EOFError, OSError):
             return
-        task = decode_task(memoryview(msg))
         if task is None:  # RETIRE
             return
         if meter is not None:
             meter.start()  # busy from here to the batch's publication (docs/metrics.md)
-        seq, slot = task.seq, task.slot
+        seq, slot, epoch, batch_index, indices = task
         if reseed:
-            seed_rngs(batch_seed(base_seed, task.epoch, task.batch_index))
+            seed_rngs(batch_seed(base_seed, epoch, batch_index))
         writer = SlotWriter(region, slot, seq) if slot >= 0 else None
         alloc = writer.alloc if writer is not None else np.empty
         if init_failure is not None:
-            init_failure.seq, init_failure.indices = seq, task.indices
+            init_failure.seq, init_failure.indices = seq, indices
             batch: Any = init_failure
             kind = _ring.KIND_ERROR
         else:
             try:
-                batch = fetch(dataset, task.indices, alloc)
+                batch = fetch(dataset, indices, alloc)
                 kind = _ring.KIND_SLOT
             except SystemExit:
                 raise
             except BaseException as exc:  # noqa: BLE001 - re-raised in the parent
-                batch = BatchFailure.capture(exc, seq, task.indices, wid)
+                batch = BatchFailure.capture(exc, seq, indices, wid)
                 kind = _ring.KIND_ERROR
                 del exc
         try:
@@ -202,12 +201,12 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
         except (pickle.PicklingError, TypeError, AttributeError, ValueError, struct.error) as exc:
             # The batch cannot be serialised (a lambda, a generator, ...): report
             # that to the parent as this batch's error instead of dying.
-            failure = BatchFailure.capture(exc, seq, task.indices, wid,
+            failure = BatchFailure.capture(exc, seq, indices, wid,
                                            stage="serialising (the batch could not be serialised)")
             _deliver(send, writer, seq, _ring.KIND_ERROR, failure)
         if meter is not None:
             meter.stop()
-        del batch, writer, alloc
+        del batch, writer, alloc, task, indices
 
 
 def _deliver(send: Callable[[bytes], None], writer: SlotWriter | None, seq: int, kind: int, obj: Any) -> None:

@@ -1,0 +1,283 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The per-batch steps that are pure bookkeeping, at C speed (issue 13).
+
+* The task wire format of docs/design.md ("Wire protocol"): :func:`frame_task`
+  encodes one framed task record, :class:`TaskReader` reads and decodes them in
+  the worker, several per ``read()``.  This module is the only encoder and the only
+  decoder of that format.
+* :func:`defer_signals` / :func:`restore_signals`: the signal mask around the
+  parent's critical sections (docs/design.md, "Faults") -- one ``pthread_sigmask``
+  each, the old mask passed as a 64-bit int instead of a Python set.
+* :func:`write_all`: one framed message onto a pipe, without the GIL.
+"""
+from libc.errno cimport EINTR, errno
+from libc.stdint cimport int64_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+from cpython.bytearray cimport PyByteArray_AS_STRING
+from cpython.exc cimport PyErr_CheckSignals
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.list cimport PyList_New, PyList_SET_ITEM
+from cpython.long cimport PyLong_AsLongLong
+from cpython.ref cimport Py_INCREF
+
+import os
+import pickle
+
+cdef extern from "<signal.h>" nogil:
+    ctypedef struct sigset_t:
+        pass
+    int sigemptyset(sigset_t *s)
+    int sigfillset(sigset_t *s)
+    int sigaddset(sigset_t *s, int sig)
+    int sigdelset(sigset_t *s, int sig)
+    int sigismember(const sigset_t *s, int sig)
+    int pthread_sigmask(int how, const sigset_t *new, sigset_t *old)
+    int SIG_BLOCK
+    int SIG_SETMASK
+    int SIGKILL, SIGSTOP, SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGABRT
+
+cdef extern from "<unistd.h>" nogil:
+    ssize_t c_write "write"(int fd, const void *buf, size_t n)
+    ssize_t c_read "read"(int fd, void *buf, size_t n)
+
+# ---- task records (docs/design.md, "Wire protocol") ----
+
+cdef enum:
+    INDICES_INT64 = 1    # flag: count int64 sample indices follow
+    INDICES_PICKLE = 2   # flag: count bytes of pickled indices follow
+    RETIRE = 4           # flag: exit after the tasks before this one (no payload)
+    HEADER_BYTES = 40    # <q seq> <q slot> <q epoch> <q batch_index> <I flags> <I count>
+    FRAME_BYTES = 4      # the frame length before each record (big-endian, as multiprocessing.connection)
+
+#: Bytes of a task record's header, and of the frame length before it.
+TASK_HEADER_BYTES = HEADER_BYTES
+TASK_FRAME_BYTES = FRAME_BYTES
+
+cdef inline void _put_le(char *p, uint64_t v, int n) noexcept nogil:
+    cdef int k
+    for k in range(n):
+        p[k] = <char>(v & 0xFF)
+        v >>= 8
+
+
+cdef inline uint64_t _get_le(const unsigned char *p, int n) noexcept nogil:
+    cdef uint64_t v = 0
+    cdef int k
+    for k in range(n - 1, -1, -1):
+        v = (v << 8) | p[k]
+    return v
+
+
+cdef bytes _frame(int64_t seq, int64_t slot, int64_t epoch, int64_t batch_index, uint32_t flags,
+                  uint32_t count, Py_ssize_t payload):
+    """A framed record with ``payload`` bytes left to fill after the header."""
+    cdef Py_ssize_t body = HEADER_BYTES + payload
+    if body > 0x7FFFFFFF:
+        raise ValueError(f"a task of {body} bytes does not fit a frame (at most 2 GiB)")
+    cdef bytes out = PyBytes_FromStringAndSize(NULL, FRAME_BYTES + body)
+    cdef char *p = PyBytes_AS_STRING(out)
+    cdef uint32_t be = <uint32_t>body
+    p[0] = <char>(be >> 24)
+    p[1] = <char>(be >> 16)
+    p[2] = <char>(be >> 8)
+    p[3] = <char>be
+    p += FRAME_BYTES
+    _put_le(p, <uint64_t>seq, 8)
+    _put_le(p + 8, <uint64_t>slot, 8)
+    _put_le(p + 16, <uint64_t>epoch, 8)
+    _put_le(p + 24, <uint64_t>batch_index, 8)
+    _put_le(p + 32, flags, 4)
+    _put_le(p + 36, count, 4)
+    return out
+
+
+def frame_task(int64_t seq, int64_t slot, int64_t epoch, int64_t batch_index, indices):
+    """One framed task record: int64 indices when ``indices`` is a list of Python ints
+    (exactly ``int``, each within int64), else the indices pickled (shards, tuples,
+    numpy integers, whatever a sampler yields arrives as it was)."""
+    cdef Py_ssize_t n, k
+    cdef bytes out
+    cdef char *p
+    cdef int64_t v
+    if type(indices) is list:
+        n = len(<list>indices)
+        for k in range(n):
+            if type((<list>indices)[k]) is not int:
+                break
+        else:
+            if n <= 0xFFFFFFFF:
+                out = _frame(seq, slot, epoch, batch_index, INDICES_INT64, <uint32_t>n, 8 * n)
+                p = PyBytes_AS_STRING(out) + FRAME_BYTES + HEADER_BYTES
+                try:
+                    for k in range(n):
+                        v = PyLong_AsLongLong((<list>indices)[k])
+                        _put_le(p + 8 * k, <uint64_t>v, 8)
+                    return out
+                except OverflowError:
+                    pass  # an index beyond int64: pickle it
+    blob = pickle.dumps(indices, protocol=5)
+    if len(blob) > 0xFFFFFFFF:
+        raise ValueError(f"the pickled indices of task {seq} take {len(blob)} bytes (at most 4 GiB)")
+    out = _frame(seq, slot, epoch, batch_index, INDICES_PICKLE, <uint32_t>len(blob), len(blob))
+    memcpy(PyBytes_AS_STRING(out) + FRAME_BYTES + HEADER_BYTES, <char *>blob, len(blob))
+    return out
+
+
+def frame_retire():
+    """The framed RETIRE record: the worker exits after the tasks before it."""
+    return _frame(-1, -1, 0, 0, RETIRE, 0, 0)
+
+
+cdef class TaskReader:
+    """Reads the framed task records of one pipe fd, every queued one with one ``read()``.
+
+    ``next()`` blocks until a whole record is there and returns ``(seq, slot, epoch,
+    batch_index, indices)`` -- ``indices`` a list of ints, or whatever was pickled --
+    or None for RETIRE.  Raises EOFError when the parent closed its end, ValueError
+    for a malformed record, OSError from ``read()``.
+    """
+
+    cdef int fd
+    cdef bytearray buf
+    cdef Py_ssize_t pos
+    cdef Py_ssize_t chunk
+
+    def __init__(self, int fd, Py_ssize_t chunk=1 << 16):
+        self.fd = fd
+        self.buf = bytearray()
+        self.pos = 0
+        self.chunk = chunk
+
+    cdef int _fill(self, Py_ssize_t need) except -1:
+        if self.pos:
+            del self.buf[:self.pos]
+            self.pos = 0
+        while len(self.buf) < need:
+            data = os.read(self.fd, max(self.chunk, need - len(self.buf)))
+            if not data:
+                raise EOFError("the parent closed the task pipe")
+            self.buf += data
+        return 0
+
+    def next(self):
+        cdef Py_ssize_t have = len(self.buf) - self.pos
+        if have < FRAME_BYTES:
+            self._fill(FRAME_BYTES)
+        cdef const unsigned char *p = <const unsigned char *>PyByteArray_AS_STRING(self.buf) + self.pos
+        cdef Py_ssize_t n = (<Py_ssize_t>p[0] << 24) | (p[1] << 16) | (p[2] << 8) | p[3]
+        if p[0] & 0x80:
+            raise ValueError(f"bad frame length {n - (1 << 32)}")
+        if len(self.buf) - self.pos < FRAME_BYTES + n:
+            self._fill(FRAME_BYTES + n)
+        p = <const unsigned char *>PyByteArray_AS_STRING(self.buf) + self.pos + FRAME_BYTES
+        self.pos += FRAME_BYTES + n
+        return _decode(p, n)
+
+
+cdef object _decode(const unsigned char *p, Py_ssize_t n):
+    if n < HEADER_BYTES:
+        raise ValueError(f"a task record of {n} bytes is shorter than its {HEADER_BYTES}-byte header")
+    cdef int64_t seq = <int64_t>_get_le(p, 8)
+    cdef int64_t slot = <int64_t>_get_le(p + 8, 8)
+    cdef int64_t epoch = <int64_t>_get_le(p + 16, 8)
+    cdef int64_t batch_index = <int64_t>_get_le(p + 24, 8)
+    cdef uint32_t flags = <uint32_t>_get_le(p + 32, 4)
+    cdef uint64_t count = _get_le(p + 36, 4)
+    cdef Py_ssize_t body = n - HEADER_BYTES
+    cdef Py_ssize_t k
+    cdef list indices
+    cdef object v
+    if flags & RETIRE:
+        return None
+    p += HEADER_BYTES
+    if flags & INDICES_INT64:
+        if <uint64_t>body != 8 * count:
+            raise ValueError(f"task {seq}: {body} bytes of indices for {count} int64")
+        indices = PyList_New(<Py_ssize_t>count)
+        for k in range(<Py_ssize_t>count):
+            v = <int64_t>_get_le(p + 8 * k, 8)
+            Py_INCREF(v)
+            PyList_SET_ITEM(indices, k, v)
+        return (seq, slot, epoch, batch_index, indices)
+    if flags & INDICES_PICKLE:
+        if <uint64_t>body != count:
+            raise ValueError(f"task {seq}: {body} bytes of pickled indices, header says {count}")
+        return (seq, slot, epoch, batch_index, pickle.loads(PyBytes_FromStringAndSize(<const char *>p, body)))
+    raise ValueError(f"task {seq}: unknown flags {flags:#x}")
+
+
+def decode_task(data):
+    """The task of one record ``data`` (bytes, without its frame length): as
+    :meth:`TaskReader.next`."""
+    cdef const unsigned char[::1] view = data
+    if view.shape[0] == 0:
+        raise ValueError("an empty task record")
+    return _decode(&view[0], view.shape[0])
+
+
+def write_all(int fd, bytes data):
+    """Write all of ``data`` to ``fd`` (a blocking pipe), the GIL released; a write
+    cut short (a full pipe, a signal) is continued.  Raises OSError (BrokenPipeError
+    when the reader is gone)."""
+    cdef const char *p = PyBytes_AS_STRING(data)
+    cdef Py_ssize_t left = len(data)
+    cdef ssize_t r
+    cdef int err = 0
+    with nogil:
+        while left > 0:
+            r = c_write(fd, p, <size_t>left)
+            if r < 0:
+                if errno == EINTR:
+                    continue
+                err = errno
+                break
+            p += r
+            left -= r
+    if err:
+        raise OSError(err, os.strerror(err))
+
+
+# ---- signal deferral (docs/design.md, "Faults") ----
+
+cdef sigset_t _deferrable
+sigfillset(&_deferrable)
+for _sig in (SIGKILL, SIGSTOP, SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGABRT):
+    sigdelset(&_deferrable, _sig)  # synchronous faults cannot wait
+
+
+def defer_signals():
+    """Block every signal but the synchronous faults for this thread; returns the
+    previous mask (signals 1..64 as bits of an int) for :func:`restore_signals`.
+
+    Handlers of signals that arrived before the call run first, in the call: if
+    one raises, the exception leaves with the mask unchanged.  A signal that
+    arrives once the mask is set waits until :func:`restore_signals`.  (A handler
+    run *after* the mask was set, at the caller's next check, would lose the old
+    mask with the exception, and the thread would block signals for good.)"""
+    cdef sigset_t old
+    cdef uint64_t bits = 0
+    cdef int sig
+    PyErr_CheckSignals()
+    if pthread_sigmask(SIG_BLOCK, &_deferrable, &old) != 0:
+        raise OSError("pthread_sigmask failed")
+    try:
+        PyErr_CheckSignals()  # one that arrived between the check and the mask
+    except BaseException:
+        pthread_sigmask(SIG_SETMASK, &old, NULL)
+        raise
+    for sig in range(1, 65):
+        if sigismember(&old, sig) == 1:
+            bits |= (<uint64_t>1) << (sig - 1)
+    return bits
+
+
+def restore_signals(uint64_t bits):
+    """Set this thread's mask back to what :func:`defer_signals` returned."""
+    cdef sigset_t mask
+    cdef int sig
+    sigemptyset(&mask)
+    for sig in range(1, 65):
+        if bits & ((<uint64_t>1) << (sig - 1)):
+            sigaddset(&mask, sig)
+    if pthread_sigmask(SIG_SETMASK, &mask, NULL) != 0:
+        raise OSError("pthread_sigmask failed")
