@@ -119,9 +119,10 @@ def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
     parent_conn, child_conn = multiprocessing.Pipe(duplex=True)
     parent_pid = os.getpid()
     if start_method == "fork":
-        def drop() -> None:
+        def drop() -> None:  # in the child, once it watches the parent (a hang here is not for ever)
             parent_conn.close()
             drop_in_child()
+            _torch_one_thread()
 
         boot = WorkerBoot(wid, parent_pid, child_conn, region=region, drop=drop, busy=busy)
         for stream in (sys.stdout, sys.stderr):
@@ -152,6 +153,23 @@ def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
     proc.start()
     child_conn.close()
     return WorkerProcess(wid, proc.pid, parent_conn, proc)
+
+
+def _torch_one_thread() -> None:
+    """In a forked worker of a process that imported torch: ``torch.set_num_threads(1)``,
+    as torch's DataLoader workers do (``worker_init`` runs later and may raise it).
+
+    torch's CPU build runs its intra-op work (``at::parallel_for``, MKL) on GNU
+    OpenMP, and libgomp is not fork-safe: the forking thread's thread pool is
+    inherited, but its threads are not, so once the training thread has run any
+    parallel op (a model's forward, ``torch.ones(512, 512)``), a worker's first
+    parallel op waits forever for them (gdb: ``gomp_team_barrier_wait_end`` under
+    ``gomp_team_end``).  With one thread no team is formed.
+    """
+    torch = sys.modules.get("torch")
+    set_num_threads = getattr(torch, "set_num_threads", None)  # None: no torch, or not torch's
+    if set_num_threads is not None:
+        set_num_threads(1)
 
 
 def _foreign_import_locks() -> list[str]:

@@ -471,3 +471,41 @@ def test_module_imported_by_a_thread_at_fork_time_is_whole_in_the_workers(tmp_pa
         assert got == [0, 28, 56, 84], got
         print("OK")
     """, timeout_s=60)
+
+
+def test_torch_ops_in_the_training_thread_and_another_thread_do_not_hang_forked_workers():
+    """The training thread has run a parallel torch op (2 intra-op threads: a GNU
+    OpenMP pool exists), another thread runs ``torch.mm`` and ``sum`` in a loop, and
+    20 loaders in turn fork their workers over samples made by parallel torch ops
+    (a 512x512 fill and sum, a 64x64 MKL matmul).  A forked worker inherits the
+    training thread's OpenMP pool but not its threads: before, its first parallel op
+    waited for them forever (every run).  Now a forked worker runs torch on one
+    thread, as torch's own workers do (each sample reports ``torch.get_num_threads()``).
+    Not covered, and documented in docs/design.md: another thread making its first
+    torch call, or MKL-using threads starting and ending, at the instant of the fork."""
+    pytest.importorskip("torch")
+    run_case("""
+        import torch
+        torch.set_num_threads(2)        # a team of 2 even on a 1-core machine
+        torch.ones(512, 512).sum()      # the training thread's OpenMP pool now exists
+        class TorchOps(Arange):
+            def __getitem__(self, i):
+                x = torch.full((512, 512), float(i))
+                y = x[:64, :64] @ x[:64, :64]
+                return np.array([float(x.sum()), float(y[0, 0]), torch.get_num_threads()])
+        stop, warm = threading.Event(), threading.Event()
+        def busy():
+            a = torch.rand(512, 512)
+            while not stop.is_set():
+                torch.mm(a, a)
+                a.sum()
+                warm.set()
+        t = threading.Thread(target=busy, daemon=True); t.start()
+        warm.wait()                     # its first torch calls are over (see the docstring)
+        for k in range(20):
+            with mploader.DataLoader(TorchOps(8), batch_size=4, num_workers=2, seed=k, timeout=20) as loader:
+                got = [row for b in loader for row in b.tolist()]
+            assert got == [[i * 262144.0, 64.0 * i * i, 1.0] for i in range(8)], (k, got)
+        stop.set(); t.join()
+        print("OK")
+    """, timeout_s=120)
