@@ -114,10 +114,14 @@ class Engine:
         RNGs from (seed, epoch, i).
     copy : bool
         Return owned arrays instead of views into the slot.
+    auto_prefetch : int or None
+        When set, the batches in flight rise from ``prefetch`` up to this while
+        batches are small (at most ``mploader._options.SMALL_BATCHES_BYTES`` of them
+        in flight; docs/design.md, "Batches in flight"); None keeps ``prefetch``.
     maxtasksperchild : int or None
         Replace a worker after this many batches.
     num_slots : int or None
-        Slots in the ring; default ``prefetch + 3``.
+        Slots in the ring; default ``prefetch + 3`` (``auto_prefetch + 3`` where set).
     on_slow : callable ``(seq, waited_s) -> None`` or None
         Called once per batch whose wait exceeds ``slow_after_s`` seconds.
     worker_init : callable ``(worker_id, num_workers) -> None`` or None
@@ -139,6 +143,7 @@ class Engine:
 
     def __init__(self, dataset: Any, fetch: Callable, *, num_workers: int, prefetch: int,
                  shared_mem: int | None, timeout_s: float | None, seed: int, copy: bool = False,
+                 auto_prefetch: int | None = None,
                  maxtasksperchild: int | None = None, num_slots: int | None = None,
                  on_slow: Callable[[int, float], None] | None = None, slow_after_s: float | None = None,
                  worker_init: Callable[[int, int], None] | None = None, reseed_per_batch: bool = True,
@@ -149,7 +154,10 @@ class Engine:
             raise ValueError(f"num_workers must be >= 1 for an Engine, got {num_workers}")
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
-        self.num_slots = num_slots or prefetch + 3
+        if auto_prefetch is not None and not prefetch <= auto_prefetch <= _ring.MAX_SLOTS - 3:
+            raise ValueError(f"auto_prefetch must be between prefetch ({prefetch}) and {_ring.MAX_SLOTS - 3}, "
+                             f"got {auto_prefetch}")
+        self.num_slots = num_slots or (auto_prefetch or prefetch) + 3
         if self.num_slots > _ring.MAX_SLOTS:
             raise ValueError(f"prefetch must be at most {_ring.MAX_SLOTS - 3} (the ring has at most "
                              f"{_ring.MAX_SLOTS} slots), got {prefetch}")
@@ -157,6 +165,7 @@ class Engine:
         self.fetch = fetch
         self.num_workers = num_workers
         self.prefetch = prefetch
+        self.auto_prefetch = auto_prefetch   # the most in flight while batches are small (None: prefetch)
         self.shared_mem = shared_mem
         self.timeout_s = timeout_s or None
         self.seed = seed

@@ -37,6 +37,11 @@ MAX_SLOT_BYTES: int = int(getattr(_ring, "MAX_SLOT_BYTES", 1 << 40))
 EXTRA_SLOTS = 3
 #: The largest ``prefetch`` (batches in flight) the ring can serve.
 MAX_PREFETCH = MAX_SLOTS - EXTRA_SLOTS
+#: With the default ``prefetch`` (None) the engine keeps more batches in flight while
+#: batches are small: up to this many per worker, as long as they take at most
+#: SMALL_BATCHES_BYTES together (docs/design.md, "Batches in flight").
+AUTO_PREFETCH_PER_WORKER = 16
+SMALL_BATCHES_BYTES = 1 << 20
 
 _BOUNDS = {0: "a non-negative integer", 1: "a positive integer"}
 
@@ -185,8 +190,10 @@ class LoaderOptions:
     num_workers : int
         Worker processes (threads with ``thread_pool``); 0 loads in the calling process.
     prefetch : int or None
-        Batches in flight; None means ``2 * num_workers`` (Gluon's default).  Must be
-        positive when ``num_workers > 0`` and at most :data:`MAX_PREFETCH`.
+        Batches in flight; None means ``2 * num_workers`` (Gluon's default), raised by
+        the engine while batches are small (up to :data:`AUTO_PREFETCH_PER_WORKER` per
+        worker and :data:`SMALL_BATCHES_BYTES` in all; ``auto_prefetch`` is then the
+        most).  Must be positive when ``num_workers > 0`` and at most :data:`MAX_PREFETCH`.
     shared_mem : int or None
         Payload bytes per slot, at most :data:`MAX_SLOT_BYTES`; None sizes slots from
         the first batch.
@@ -227,6 +234,7 @@ class LoaderOptions:
     slow_after_s: float | None = None
     busy_workers: bool = False
     arg_names: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+    auto_prefetch: int | None = field(default=None, init=False)
 
     def _name(self, field_name: str) -> str:
         return self.arg_names.get(field_name, field_name)
@@ -237,6 +245,7 @@ class LoaderOptions:
         num_workers = check_int(n("num_workers"), self.num_workers, minimum=0)
         put(self, "num_workers", num_workers)
         prefetch = self.prefetch
+        auto = prefetch is None and not self.busy_workers and num_workers > 0
         why = f" (the ring holds at most {MAX_SLOTS} slots and the engine uses {n('prefetch')} + {EXTRA_SLOTS})"
         if prefetch is None:
             # the default is Gluon's 2 * num_workers: a limit it exceeds is num_workers'
@@ -252,6 +261,8 @@ class LoaderOptions:
             raise ValueError(f"{n('num_workers')} must be at most {MAX_PREFETCH} (each worker keeps one batch "
                              f"in flight{why}), got {num_workers}")
         put(self, "prefetch", prefetch)
+        if auto:
+            put(self, "auto_prefetch", max(prefetch, min(AUTO_PREFETCH_PER_WORKER * num_workers, MAX_PREFETCH)))
         put(self, "shared_mem", check_int(n("shared_mem"), self.shared_mem, minimum=0, maximum=MAX_SLOT_BYTES,
                                           none_ok=True, why_max=" bytes (the largest slot the ring can make)"))
         put(self, "timeout_s", check_seconds(n("timeout_s"), self.timeout_s) or None)
@@ -278,11 +289,11 @@ class LoaderOptions:
 
     @property
     def num_slots(self) -> int:
-        """Slots of the ring: ``in_flight + 3``."""
-        return self.in_flight + EXTRA_SLOTS
+        """Slots of the ring: ``in_flight + 3`` (``auto_prefetch + 3`` where set)."""
+        return (self.auto_prefetch or self.in_flight) + EXTRA_SLOTS
 
     def engine_kwargs(self) -> dict:
         """Keyword arguments of ``mploader._engine.Engine`` (besides dataset and fetch)."""
-        return dict(num_workers=self.num_workers, prefetch=self.in_flight, shared_mem=self.shared_mem,
-                    timeout_s=self.timeout_s, seed=self.seed, copy=self.copy,
+        return dict(num_workers=self.num_workers, prefetch=self.in_flight, auto_prefetch=self.auto_prefetch,
+                    shared_mem=self.shared_mem, timeout_s=self.timeout_s, seed=self.seed, copy=self.copy,
                     maxtasksperchild=self.maxtasksperchild, slow_after_s=self.slow_after_s)

@@ -28,6 +28,7 @@ from ._errors import UNKNOWN_STATUS, BatchFailure, WorkerError
 from ._executors import WorkerProcess, exited, stop_workers
 from ._hot import defer_signals, restore_signals
 from ._metrics import Meter
+from ._options import SMALL_BATCHES_BYTES
 from ._protocol import PIPE_HEADER, frame_retire, frame_task, write_all
 from ._waiting import WaitClock, spin_for
 
@@ -96,6 +97,10 @@ class Scheduler:
         self.warned_full = False
         self.file_bytes = 0
         self.spin_s = spin_for(engine.num_workers)
+        # Batches kept in flight: prefetch, raised towards auto_prefetch while batches
+        # are small (see _adapt_depth); a deeper queue costs fewer wake-ups per batch.
+        self.depth = engine.prefetch
+        self.auto_max = engine.auto_prefetch or engine.prefetch
         self.stats: collections.Counter = collections.Counter()
         self.meter = Meter()         # input-pipeline metrics (_metrics; Run.__next__ times the waits)
 
@@ -139,7 +144,7 @@ class Scheduler:
         signals deferred (docs/design.md, "Faults")."""
         engine = self.engine
         pushback = run.pushback
-        while not run.exhausted and len(run.inflight) < engine.prefetch:
+        while not run.exhausted and len(run.inflight) < self.depth:
             if not pushback:
                 # Signals deferred: an interrupt inside the sampler's generator would
                 # end it (a generator that raises is finished) and silently cut the epoch.
@@ -337,6 +342,8 @@ class Scheduler:
             task.consumed = True
             task.box.clear()
             self.meter.bytes += nbytes
+            if self.auto_max != self.depth or self.depth != self.engine.prefetch:
+                self._adapt_depth(nbytes)
         except Exception as exc:  # a worker's exception, or a corrupt descriptor: the batch is used up
             task.consumed = True
             task.box.clear()
@@ -345,6 +352,15 @@ class Scheduler:
             restore_signals(old)
         self.stats["batches"] += 1
         self.stats["fallback_inband" if lease.flags & _ring.FLAG_INBAND else "slot"] += 1
+
+    def _adapt_depth(self, nbytes: int) -> None:
+        """Default prefetch only: keep as many batches in flight as fit
+        SMALL_BATCHES_BYTES (one more per batch while below, at once back down when
+        batches grow), between ``prefetch`` and ``auto_prefetch`` (docs/design.md,
+        "Batches in flight")."""
+        fit = SMALL_BATCHES_BYTES // max(nbytes, 1)
+        target = max(self.engine.prefetch, min(self.auto_max, fit))
+        self.depth = target if target < self.depth else min(target, self.depth + 1)
 
     def _from_pipe(self, task: _Task) -> Any:
         msg = task.worker.mailbox.pop(task.seq)

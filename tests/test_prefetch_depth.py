@@ -1,0 +1,99 @@
+"""Batches in flight under the default ``prefetch`` (docs/design.md, "Batches in flight").
+
+The reference is the documented rule, observed from outside: how far the batch
+sampler has been pulled ahead of the batches the caller has received.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mploader
+from mploader import _options
+
+
+class Rows:
+    """Sample i: a row of ``width`` uint8 equal to i % 251."""
+
+    def __init__(self, n: int, width: int) -> None:
+        self.n, self.width = n, width
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.full(self.width, i % 251, np.uint8)
+
+
+class CountingBatches:
+    """A batch sampler that records how many batches were taken from it."""
+
+    def __init__(self, n_batches: int, batch_size: int) -> None:
+        self.n_batches, self.batch_size = n_batches, batch_size
+        self.taken = 0
+
+    def __len__(self) -> int:
+        return self.n_batches
+
+    def __iter__(self):
+        for b in range(self.n_batches):
+            self.taken += 1
+            yield list(range(b * self.batch_size, (b + 1) * self.batch_size))
+
+
+def ahead_after(loader, sampler, received: int) -> tuple[int, list]:
+    """Batches in flight during the ``received``-th ``next()``: taken from the sampler
+    and not yet received once it returned, plus the one it returned."""
+    it = iter(loader)
+    firsts = []
+    for _ in range(received):
+        firsts.append(int(next(it)[0, 0]))
+    ahead = sampler.taken - received + 1
+    rest = [int(b[0, 0]) for b in it]
+    return ahead, firsts + rest
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_small_batches_get_deeper_queues_with_the_default_prefetch(num_workers):
+    batch_size, n_batches = 8, 200
+    sampler = CountingBatches(n_batches, batch_size)
+    with mploader.DataLoader(Rows(batch_size * n_batches, 16), batch_sampler=sampler,
+                             num_workers=num_workers) as dl:
+        ahead, firsts = ahead_after(dl, sampler, 100)
+    assert ahead == _options.AUTO_PREFETCH_PER_WORKER * num_workers
+    # nothing lost, nothing reordered
+    assert firsts == [(b * batch_size) % 251 for b in range(n_batches)]
+
+
+def test_an_explicit_prefetch_is_kept_exactly():
+    sampler = CountingBatches(200, 8)
+    with mploader.DataLoader(Rows(1600, 16), batch_sampler=sampler, num_workers=2, prefetch=4) as dl:
+        ahead, _ = ahead_after(dl, sampler, 100)
+    assert ahead == 4
+
+
+def test_large_batches_keep_the_default_prefetch():
+    # 4 x 256 KiB already fill SMALL_BATCHES_BYTES: the queue stays at 2 * num_workers
+    width = _options.SMALL_BATCHES_BYTES // 4 // 2
+    sampler = CountingBatches(30, 2)
+    with mploader.DataLoader(Rows(60, width), batch_sampler=sampler, num_workers=2) as dl:
+        ahead, firsts = ahead_after(dl, sampler, 20)
+    assert ahead == 4
+    assert firsts == [(2 * b) % 251 for b in range(30)]
+
+
+def test_the_queue_shrinks_back_when_batches_grow():
+    class Growing(Rows):
+        def __getitem__(self, i):
+            # batches 0..99 tiny, then 384 KiB a batch (2 samples of 192 KiB)
+            return np.full(16 if i < 200 else 192 << 10, i % 251, np.uint8)
+
+    sampler = CountingBatches(160, 2)
+    with mploader.DataLoader(Growing(320, 0), batch_sampler=sampler, num_workers=2) as dl:
+        it = iter(dl)
+        for _ in range(140):
+            next(it)
+        ahead = sampler.taken - 140 + 1
+        rest = list(it)
+    assert ahead == 4   # 2 * num_workers again: 1 MiB holds 2 such batches
+    assert len(rest) == 20
