@@ -182,7 +182,7 @@ def test_user_batchify_arrays_copied_into_slot():
 
 def test_batch_larger_than_slot_grows_then_fast_path():
     ds = Fn(400, lambda i: np.full(256, i, np.float64))  # 2 KiB per sample, 16 KiB per batch of 8
-    with mploader.DataLoader(ds, batch_size=8, num_workers=2, shared_mem=4096, seed=0) as dl:
+    with mploader.DataLoader(ds, batch_size=8, num_workers=2, prefetch=4, shared_mem=4096, seed=0) as dl:
         num_slots = dl.stats()["num_slots"]
         assert len(dl) == 50 > 3 * num_slots
         history = []
@@ -226,7 +226,7 @@ def test_one_large_batch_grows_then_fast_path():
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_holding_every_batch_falls_back_to_pipe_with_one_warning(num_workers):
     ds = Fn(30, lambda i: (np.arange(6, dtype=np.int32) + i, float(i)))
-    with mploader.DataLoader(ds, batch_size=1, num_workers=num_workers, seed=0) as dl:
+    with mploader.DataLoader(ds, batch_size=1, num_workers=num_workers, prefetch=2 * num_workers, seed=0) as dl:
         num_slots = dl.stats()["num_slots"]
         assert len(dl) == 30 > num_slots
         with warnings.catch_warnings(record=True) as caught:

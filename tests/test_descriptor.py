@@ -736,7 +736,7 @@ def test_outlier_batch_memory_returns(num_workers):
     the sizing policy, every slot grew to the outlier and stayed there: 200-280 MiB)."""
     big_bytes, small_bytes, n_batches, big = 32 << 20, 4 << 10, 64, (8, 36)
     ds = Sizes(n_batches, set(big), big_bytes, small_bytes)
-    with mploader.DataLoader(ds, batch_size=4, num_workers=num_workers, seed=0) as dl:
+    with mploader.DataLoader(ds, batch_size=4, num_workers=num_workers, prefetch=2 * num_workers, seed=0) as dl:
         num_slots = dl.stats()["num_slots"]
         history = []
         for k, batch in enumerate(dl):

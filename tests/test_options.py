@@ -171,7 +171,12 @@ def test_options_are_frozen_and_slotted():
         options.num_workers = 3  # type: ignore[misc]
     assert not hasattr(options, "__dict__")
     assert options.prefetch == 4, "Gluon's default: 2 * num_workers"
-    assert options == LoaderOptions(num_workers=2, prefetch=4, seed=options.seed)
+    # the default may rise while batches are small (docs/design.md, "Batches in flight")
+    assert options.auto_prefetch == 32 and options.num_slots == 35
+    explicit = LoaderOptions(num_workers=2, prefetch=4, seed=options.seed)
+    assert explicit.auto_prefetch is None and explicit.num_slots == 7
+    assert options != explicit
+    assert options == LoaderOptions(num_workers=2, seed=options.seed)
 
 
 # ---------------------------------------------------------------- one seed default for every face
