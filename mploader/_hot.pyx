@@ -281,3 +281,39 @@ def restore_signals(uint64_t bits):
             sigaddset(&mask, sig)
     if pthread_sigmask(SIG_SETMASK, &mask, NULL) != 0:
         raise OSError("pthread_sigmask failed")
+
+
+# ---- per-batch seeding (docs/design.md, "Per-batch seeding") ----
+
+cdef inline uint64_t _splitmix_next(uint64_t *x) noexcept nogil:
+    x[0] += <uint64_t>0x9E3779B97F4A7C15
+    cdef uint64_t z = x[0]
+    z = (z ^ (z >> 30)) * <uint64_t>0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * <uint64_t>0x94D049BB133111EB
+    return z ^ (z >> 31)
+
+
+def mt_words(uint64_t seed, Py_ssize_t address, bint index_first):
+    """Write a fresh MT19937 state at ``address``: 624 uint32 words, each pair the low
+    and high half of the next splitmix64 output from ``seed``, and the position 624
+    (the next draw regenerates the block).  ``index_first``: the int32 position
+    comes before the words (CPython's ``RandomObject``), else after them (NumPy's
+    ``mt19937_state``).  ``address`` must be such a state (found by
+    ``mploader._rng_state``'s calibration); 2,500 bytes are written."""
+    cdef char *p = <char *>address
+    cdef uint32_t *words = <uint32_t *>(p + 4 if index_first else p)
+    cdef int *pos = <int *>(p if index_first else p + 4 * 624)
+    cdef uint64_t x = seed, z
+    cdef int k
+    for k in range(0, 624, 2):
+        z = _splitmix_next(&x)
+        words[k] = <uint32_t>z
+        words[k + 1] = <uint32_t>(z >> 32)
+    pos[0] = 624
+
+
+def clear_gauss(Py_ssize_t address):
+    """Clear NumPy's legacy cached Gaussian at ``address`` (``aug_bitgen_t``'s
+    ``has_gauss`` int and ``gauss`` double, 8 bytes apart), as seeding does."""
+    (<int *>address)[0] = 0
+    (<double *>(<char *>address + 8))[0] = 0.0

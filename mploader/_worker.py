@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _ring
+from . import _hot, _ring
 from ._descriptor import SlotWriter
 from ._errors import BatchFailure
 from ._metrics import WorkerBusy
@@ -44,14 +44,70 @@ def batch_seed(seed: int, epoch: int, batch_index: int) -> int:
 
 
 def seed_rngs(seed64: int) -> None:
-    """Seed ``random``, NumPy's global RNG and (if already imported) torch's."""
-    random.seed(seed64)
-    np.random.seed(seed64 & 0xFFFFFFFF)
+    """Seed ``random``, NumPy's global RNG and (if already imported) torch's from one
+    64-bit batch seed (docs/design.md, "Per-batch seeding").
+
+    Where ``mploader._rng_state`` found the generators' memory layout, the two
+    Mersenne Twisters get 624 words of splitmix64 output written in place (0.2 us
+    each) instead of ``random.seed``'s ``init_by_array`` (3.8 us) and
+    ``np.random.seed`` (1.3 us); elsewhere those two are called.  Either way the
+    state is a pure function of ``seed64`` on a given machine, so every worker and
+    the in-process path agree."""
+    if not _fast_seed(seed64):
+        random.seed(seed64)
+        np.random.seed(seed64 & 0xFFFFFFFF)
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "default_generator"):  # not a half-imported torch
         # The CPU generator only: torch.manual_seed also seeds every accelerator
         # backend (~130 us a call), and a forked worker cannot use CUDA anyway.
         torch.default_generator.manual_seed(seed64 & 0x7FFFFFFFFFFFFFFF)
+
+
+class _SeedTargets:
+    """Where :func:`_fast_seed` writes, found once per process (None: not possible)."""
+
+    checked = False
+    py_inst: Any = None
+    py_address = 0
+    np_bitgen: Any = None
+    np_key_address = 0
+    np_gauss_address = 0
+
+
+def _fast_seed(seed64: int) -> bool:
+    t = _SeedTargets
+    inst, rs = random._inst, np.random.mtrand._rand
+    if inst is not t.py_inst or rs._bit_generator is not t.np_bitgen:
+        if t.checked and t.py_inst is None:
+            return False
+        _find_seed_targets(inst, rs)
+        if t.py_inst is None:
+            return False
+    _hot.mt_words(seed64, t.py_address, True)
+    inst.gauss_next = None
+    _hot.mt_words(seed64 ^ _NUMPY_SALT, t.np_key_address, False)
+    _hot.clear_gauss(t.np_gauss_address)
+    return True
+
+
+def _find_seed_targets(inst: Any, rs: Any) -> None:
+    from . import _rng_state
+
+    t = _SeedTargets
+    t.checked, t.py_inst = True, None
+    if not _rng_state._Layout.done:
+        _rng_state._calibrate()
+    py_off, np_off = _rng_state._Layout.py_state, _rng_state._Layout.np_gauss
+    if py_off is None or np_off is None or type(inst) is not random.Random or type(rs) is not np.random.RandomState:
+        return
+    t.py_address = id(inst) + py_off
+    t.np_bitgen = rs._bit_generator
+    t.np_key_address = t.np_bitgen.ctypes.state_address
+    t.np_gauss_address = id(rs) + np_off
+    t.py_inst = inst
+
+
+_NUMPY_SALT = 0x6E756D7079  # "numpy": NumPy's stream differs from random's
 
 
 @dataclass
