@@ -105,6 +105,8 @@ def test_class_folder_without_images(tmp_path, capsys):
     (["--suite", "speed"], ["argument --suite", "'speed'"]),
     (["--transports", "mploader,zmq"], ["argument --transports", "'zmq'"]),
     (["--transports", ","], ["argument --transports"]),
+    # collate-limit is the transport suite's reference, not an images transport
+    (["--transports", "mploader,collate-limit"], ["argument --transports", "'collate-limit'"]),
     (["--batches", "3", "--seconds", "2"], ["argument --seconds", "--batches"]),
     (["--frobnicate"], ["--frobnicate"]),
 ])

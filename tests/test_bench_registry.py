@@ -83,7 +83,11 @@ def test_registered_transport_runs_in_the_transport_suite(toy, tmp_path):
     report = transport.run(workers=1, repeats=1, seconds=0.01, sizes=("tiny",),
                            transports=("toy-threads", "inline"), out_dir=None, quiet=True)
     assert not report["errors"]
-    assert {r["transport"] for r in report["runs"]} == {"toy-threads", "inline"}
+    # collate-limit, the reference of every row's share of the limit, always runs too
+    assert {r["transport"] for r in report["runs"]} == {"toy-threads", "inline", "collate-limit"}
+    share = report["medians"]["tiny"]["toy-threads"]["share_of_limit"]
+    limit = report["medians"]["tiny"]["collate-limit"]["batches_per_s"] * report["limit_cores"]
+    assert share == report["medians"]["tiny"]["toy-threads"]["batches_per_s"] / limit
 
 
 def test_a_transport_delivering_wrong_batches_is_caught_by_the_transport_suite(toy):

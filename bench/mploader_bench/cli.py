@@ -174,6 +174,8 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"argument --transports: invalid value {args.transports!r}: "
                              f"expected a comma-separated list of {names}")
         for t in transports:
+            if t == "collate-limit" and args.suite in ("transport", "all"):
+                continue  # the transport suite's in-process reference (always measured there)
             if t not in peers.transport_names():
                 raise UsageError(f"argument --transports: unknown transport {t!r}: expected "
                                  f"some of {names}")
@@ -196,7 +198,8 @@ def _bench(args: argparse.Namespace) -> int:
     if args.suite in ("images", "all"):
         cfg = images.ImagesConfig(
             data=r["folder"].root if r["folder"] is not None else None,
-            formats=r["formats"], transports=r["transports"], workers=args.workers,
+            formats=r["formats"], transports=[t for t in r["transports"] if t != "collate-limit"],
+            workers=args.workers,
             batch_size=args.batch_size, batches=args.batches,
             seconds=args.seconds if args.seconds is not None else images.DEFAULT_SECONDS,
             repeats=args.repeats, seed=args.seed,

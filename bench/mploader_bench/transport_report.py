@@ -61,8 +61,10 @@ def _fmt_ratio(x: float | None) -> str:
 def _print_report(report: dict, out: _Out) -> None:
     cfg = report["config"]
     # "ref": REFERENCE; "CPU us/batch": parent + all workers, CPU microseconds per batch
+    # "share": batches/s over the collate limit of `limit_cores` cores (collate-limit x cores)
     # "bound by": mploader.diagnose's verdict on the transport's epochs (mploader's faces only)
-    header = ["size", "transport", "batches/s", "GB/s", "min-max batches/s",
+    cores = report.get("limit_cores", cfg["workers"])
+    header = ["size", "transport", "batches/s", "GB/s", "min-max batches/s", f"share of {cores}-core limit",
               "CPU us/batch", "ref batches/s", "mploader x", "bound by"]
     rows = []
     for size in cfg["sizes"]:
@@ -77,6 +79,7 @@ def _print_report(report: dict, out: _Out) -> None:
             ratio = report["ratios"].get(size, {}).get(name)
             rows.append([size, name, _fmt_rate(m["batches_per_s"]), f"{m['gb_per_s']:.3f}",
                          f"{_fmt_rate(m['min_batches_per_s'])}-{_fmt_rate(m['max_batches_per_s'])}",
+                         "-" if m.get("share_of_limit") is None else f"{m['share_of_limit']:.2f}",
                          _fmt_cpu(m["parent_cpu_per_batch_s"], m["workers_cpu_per_batch_s"]),
                          _fmt_rate(ref) if ref else "", _fmt_ratio(ratio) if ratio else "",
                          _bound_by(m.get("verdict"))])
@@ -112,6 +115,11 @@ def _print_report(report: dict, out: _Out) -> None:
                                for i, (c, w) in enumerate(zip(r, widths))))
     for line in target_lines:
         out.line(line)
+    for t in report.get("share_targets", []):
+        mark = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
+        share = "-" if t["share"] is None else f"{t['share']:.2f}"
+        out.line(f"{t['size']}: {t['transport']} share of the {cores}-core collate limit = {share} "
+                 f"(target >= {t['minimum']:g}): {mark}")
     for size, errs in report["errors"].items():
         for name, err in errs.items():
             out.line(f"error [{size}] {name}: {err}")
