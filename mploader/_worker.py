@@ -76,7 +76,8 @@ class _SeedTargets:
 
 def _fast_seed(seed64: int) -> bool:
     t = _SeedTargets
-    inst, rs = random._inst, np.random.mtrand._rand
+    inst: Any = random._inst
+    rs: Any = np.random.mtrand._rand
     if inst is not t.py_inst or rs._bit_generator is not t.np_bitgen:
         if t.checked and t.py_inst is None:
             return False

@@ -541,7 +541,7 @@ def _summarise(report: dict) -> None:
             repeats=len(rs), verdict=_most_common([r.get("verdict") for r in rs]))
     cores = min(report["config"]["workers"], report["machine"].get("usable_cores") or 1)
     report["limit_cores"] = cores
-    for size, meds in report["medians"].items():
+    for meds in report["medians"].values():
         one_core = meds.get(COLLATE_LIMIT, {}).get("batches_per_s")
         for name, med in meds.items():
             # the share of what `cores` cores could collate (collate-limit's rate x cores)
