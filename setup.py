@@ -1,4 +1,5 @@
 """Build the C core and its Cython layer (mploader._ring) with the normal build."""
+import numpy
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 
@@ -27,6 +28,8 @@ scan = Extension(
 hot = Extension(
     "mploader._hot",
     sources=["mploader/_hot.pyx"],
+    include_dirs=[numpy.get_include()],  # the collation checks read arrays' shape and dtype
+    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
     extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror"],
 )
 

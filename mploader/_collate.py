@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from . import _hot
+
 #: ``alloc(shape, dtype) -> ndarray``: returns a writable, C-contiguous, possibly
 #: uninitialised array of exactly ``shape`` and ``dtype`` (a slot view in a worker).
 Alloc = Callable[[tuple, np.dtype], np.ndarray]
@@ -43,12 +45,9 @@ def _asarray_dtype(dtype: np.dtype, count: int) -> np.dtype:
 
 
 def _uniform_arrays(samples: Sequence[Any]) -> bool:
-    """Whether ``samples`` are plain ndarrays of one shape and one non-object dtype."""
-    first = samples[0]
-    if type(first) is not np.ndarray or first.dtype.hasobject:
-        return False
-    shape, dtype = first.shape, first.dtype
-    return all(type(s) is np.ndarray and s.shape == shape and s.dtype == dtype for s in samples)
+    """Whether ``samples`` are plain ndarrays of one shape and one non-object dtype
+    (checked in C: ``mploader._hot.uniform_arrays``)."""
+    return _hot.uniform_arrays(samples if type(samples) is list else list(samples))
 
 
 def _stack_into(samples: Sequence[np.ndarray], dtype: np.dtype, alloc: Alloc) -> np.ndarray:
@@ -71,8 +70,15 @@ def _stack_into(samples: Sequence[np.ndarray], dtype: np.dtype, alloc: Alloc) ->
 def _asarray_into(samples: Sequence[Any], alloc: Alloc) -> Any:
     """``np.asarray(samples)`` written through ``alloc``; the list of the samples when
     NumPy cannot make a non-object array of them (ragged, mixed, arbitrary objects)."""
-    if _uniform_arrays(samples):
+    if type(samples) is not list:
+        samples = list(samples)
+    if _hot.uniform_arrays(samples):
         return _stack_into(samples, _asarray_dtype(samples[0].dtype, min(len(samples), 2)), alloc)
+    number_dtype = _hot.number_column_dtype(samples)
+    if number_dtype is not None:  # B numbers of one type: the dtype np.asarray gives them, filled in C
+        out = alloc((len(samples),), number_dtype)
+        _hot.fill_numbers(samples, out)
+        return out
     try:
         arr = np.asarray(samples)
     except (ValueError, TypeError, OverflowError):
@@ -147,6 +153,11 @@ def collate_nested(samples: Sequence[Any], alloc: Alloc = _heap_alloc) -> Any:
             return list(samples)
         return _stack_into(samples, first.dtype, alloc)
     if isinstance(first, _NUMBER_TYPES):
+        number_dtype = _hot.number_column_dtype(samples if type(samples) is list else list(samples))
+        if number_dtype is not None:
+            out = alloc((len(samples),), number_dtype)
+            _hot.fill_numbers(samples if type(samples) is list else list(samples), out)
+            return out
         if not all(issubclass(t, _NUMBER_TYPES) and not issubclass(t, np.ndarray)
                    for t in set(map(type, samples))):
             return list(samples)

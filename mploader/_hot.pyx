@@ -317,3 +317,107 @@ def clear_gauss(Py_ssize_t address):
     ``has_gauss`` int and ``gauss`` double, 8 bytes apart), as seeding does."""
     (<int *>address)[0] = 0
     (<double *>(<char *>address + 8))[0] = 0.0
+
+
+# ---- collation checks (mploader/_collate.py) ----
+
+cimport numpy as cnp
+import numpy as np
+from cpython.float cimport PyFloat_AS_DOUBLE
+
+cnp.import_array()
+_BOOL, _INT64, _FLOAT64 = np.dtype("bool"), np.dtype("int64"), np.dtype("float64")
+_NUMERIC_SCALARS = (np.bool_, np.integer, np.floating, np.complexfloating)
+
+
+def uniform_arrays(list samples):
+    """Whether ``samples`` (non-empty) are all exactly ``numpy.ndarray`` of one shape
+    and one dtype (``==``, as NumPy compares dtypes) that holds no objects."""
+    cdef Py_ssize_t n = len(samples), k, d
+    if n == 0:
+        return False
+    first = samples[0]
+    if type(first) is not cnp.ndarray:
+        return False
+    cdef cnp.ndarray a0 = <cnp.ndarray>first, a
+    cdef cnp.dtype d0 = a0.dtype
+    if d0.hasobject:
+        return False
+    cdef int nd = cnp.PyArray_NDIM(a0)
+    cdef cnp.npy_intp *dims0 = cnp.PyArray_DIMS(a0)
+    cdef cnp.npy_intp *dims
+    for k in range(1, n):
+        s = samples[k]
+        if type(s) is not cnp.ndarray:
+            return False
+        a = <cnp.ndarray>s
+        if cnp.PyArray_NDIM(a) != nd:
+            return False
+        dims = cnp.PyArray_DIMS(a)
+        for d in range(nd):
+            if dims[d] != dims0[d]:
+                return False
+        if <void *>cnp.PyArray_DESCR(a) != <void *>cnp.PyArray_DESCR(a0) and not cnp.PyArray_EquivTypes(a.dtype, d0):
+            return False
+    return True
+
+
+def number_column_dtype(list samples):
+    """The dtype ``np.asarray(samples)`` gives when every sample is of one exact type:
+    ``bool`` -> bool, ``int`` -> int64, ``float`` -> float64, one NumPy boolean,
+    integer, floating or complex scalar type -> its dtype; None otherwise (mixed
+    types, other objects: the caller asks NumPy)."""
+    cdef Py_ssize_t n = len(samples), k
+    if n == 0:
+        return None
+    t = type(samples[0])
+    for k in range(1, n):
+        if type(samples[k]) is not t:
+            return None
+    if t is bool:
+        return _BOOL
+    if t is int:
+        try:
+            for k in range(n):
+                PyLong_AsLongLong(samples[k])
+        except OverflowError:
+            return None  # beyond int64: NumPy picks uint64 or object
+        return _INT64
+    if t is float:
+        return _FLOAT64
+    if isinstance(samples[0], _NUMERIC_SCALARS):
+        return cnp.PyArray_DescrFromScalar(samples[0])
+    return None
+
+
+def fill_numbers(list samples, cnp.ndarray out):
+    """Write the numbers ``samples`` (all of the type :func:`number_column_dtype`
+    accepted) into the 1-D, C-contiguous ``out`` of that dtype.  Raises ValueError
+    when ``out`` does not fit them."""
+    cdef Py_ssize_t n = len(samples), k
+    if cnp.PyArray_NDIM(out) != 1 or cnp.PyArray_DIMS(out)[0] != n or not cnp.PyArray_ISCARRAY(out):
+        raise ValueError("fill_numbers: out must be a writable C-contiguous array of len(samples)")
+    cdef char *p = <char *>cnp.PyArray_DATA(out)
+    cdef Py_ssize_t size = cnp.PyArray_ITEMSIZE(out)
+    t = type(samples[0])
+    if t is int:
+        if size != 8:
+            raise ValueError("fill_numbers: int samples need an int64 out")
+        for k in range(n):
+            (<int64_t *>p)[k] = PyLong_AsLongLong(samples[k])
+        return True
+    if t is float:
+        if size != 8:
+            raise ValueError("fill_numbers: float samples need a float64 out")
+        for k in range(n):
+            (<double *>p)[k] = PyFloat_AS_DOUBLE(samples[k])
+        return True
+    if t is bool:
+        for k in range(n):
+            p[k] = 1 if samples[k] is True else 0
+        return True
+    if cnp.PyArray_DescrFromScalar(samples[0]).itemsize != size:
+        raise ValueError("fill_numbers: out's dtype is not the samples'")
+    for k in range(n):
+        cnp.PyArray_ScalarAsCtype(samples[k], p + k * size)
+    return True

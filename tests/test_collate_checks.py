@@ -1,0 +1,90 @@
+"""The C checks behind default collation (mploader._hot: uniform_arrays,
+number_column_dtype, fill_numbers), through ``_collate._asarray_into``, against
+NumPy itself: a column of samples batches as ``np.asarray`` makes it, or stays the
+list of its samples where NumPy can only make an object array or fails."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mploader import _collate
+
+NUMERIC = ["bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+           "float16", "float32", "float64", "complex64", "complex128", ">i4", "<f8"]
+
+
+def reference(samples):
+    try:
+        arr = np.asarray(samples)
+    except (ValueError, TypeError, OverflowError):
+        return list(samples)
+    return list(samples) if arr.dtype.hasobject else arr
+
+
+def check(samples):
+    got = _collate._asarray_into(samples, np.empty)
+    want = reference(samples)
+    if isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want)
+        assert all(g is w for g, w in zip(got, want))
+    else:
+        assert isinstance(got, np.ndarray)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+
+
+python_numbers = st.one_of(
+    st.lists(st.integers(-2**70, 2**70), min_size=1, max_size=40),
+    st.lists(st.integers(-2**63, 2**63 - 1), min_size=1, max_size=40),
+    st.lists(st.floats(allow_nan=False), min_size=1, max_size=40),
+    st.lists(st.booleans(), min_size=1, max_size=40),
+    st.lists(st.one_of(st.integers(-5, 5), st.floats(-5, 5), st.booleans()), min_size=1, max_size=10),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(python_numbers)
+def test_python_number_columns_batch_as_numpy_makes_them(samples):
+    check(samples)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(NUMERIC), min_size=1, max_size=3), st.integers(1, 30), st.data())
+def test_numpy_scalar_columns_batch_as_numpy_makes_them(dtypes, n, data):
+    values = data.draw(st.lists(st.integers(0, 100), min_size=n, max_size=n))
+    samples = [np.array(v).astype(dtypes[i % len(dtypes)])[()] for i, v in enumerate(values)]
+    check(samples)
+
+
+shapes = st.lists(st.integers(0, 3), min_size=0, max_size=3).map(tuple)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(shapes, st.sampled_from(NUMERIC + ["O"])), min_size=1, max_size=4), st.integers(1, 12))
+def test_array_columns_batch_as_numpy_makes_them(kinds, n):
+    samples = []
+    for i in range(n):
+        shape, dtype = kinds[i % len(kinds)]
+        samples.append(np.arange(int(np.prod(shape)), dtype="int64").reshape(shape).astype(dtype))
+    check(samples)
+
+
+def test_non_arrays_and_subclasses_are_not_uniform():
+    class Sub(np.ndarray):
+        pass
+
+    a = np.zeros(3)
+    assert _collate._uniform_arrays([a, a.view(Sub)]) is False
+    assert _collate._uniform_arrays([a, [0.0, 0.0, 0.0]]) is False
+    assert _collate._uniform_arrays((a, a.copy())) is True    # a tuple column (zip) works too
+    assert _collate._uniform_arrays([np.zeros(3, object)] * 2) is False
+
+
+@pytest.mark.parametrize("dtype", NUMERIC)
+def test_nested_rule_numbers_are_numpys(dtype):
+    samples = [np.array(v).astype(dtype)[()] for v in (1, 0, 7)]
+    got = _collate.collate_nested(samples)
+    want = np.asarray(samples)
+    assert got.dtype == want.dtype and (got == want).all()
