@@ -40,6 +40,8 @@ import numpy as np
 import torch
 from torch.utils.data._utils import collate as _torch_collate
 
+from . import _hot
+
 #: ``alloc(shape, dtype) -> ndarray``: a writable, C-contiguous array (a slot view in a worker).
 Alloc = Callable[[tuple, Any], np.ndarray]
 
@@ -217,9 +219,12 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
         if _STR_OBJ.search(elem.dtype.str) is not None:
             raise TypeError(_ERR.format(elem.dtype))
         dtype, shape = elem.dtype, elem.shape
-        # Set-based checks: C loops, ~0.1 us per sample (this is the hot path).
-        if (dtype in _NP_TYPES_TORCH_TAKES and dtype.isnative and set(map(type, batch)) <= _PLAIN_ARRAYS
-                and len({b.shape for b in batch}) == 1 and len({b.dtype for b in batch}) == 1):
+        # The hot path: one C loop over exact ndarrays (mploader._hot), else set-based
+        # checks (np.memmap rows, ~0.1 us per sample).
+        if dtype in _NP_TYPES_TORCH_TAKES and dtype.isnative and (
+                _hot.uniform_arrays(batch if type(batch) is list else list(batch))
+                or (set(map(type, batch)) <= _PLAIN_ARRAYS and len({b.shape for b in batch}) == 1
+                    and len({b.dtype for b in batch}) == 1)):
             if not elem.flags.writeable:  # torch's own warning about it (once per process), as torch.as_tensor
                 torch.as_tensor(elem)
             out = alloc((len(batch),) + shape, dtype)
@@ -233,6 +238,13 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
             return out
         return _stack_tensors([torch.as_tensor(b) for b in batch], alloc)
     if isinstance(elem, (np.bool_, np.number, np.object_)):
+        if elem_type in _SCALARS_AS_THEIR_DTYPE:
+            column = batch if type(batch) is list else list(batch)
+            number_dtype = _hot.number_column_dtype(column)   # None unless all are elem_type
+            if number_dtype is not None:  # torch.as_tensor gives their own dtype: fill the slot in C
+                out = alloc((len(column),), number_dtype)
+                _hot.fill_numbers(column, out)
+                return out
         return _into(torch.as_tensor(batch), alloc)
     if isinstance(elem, float):
         if set(map(type, batch)) == _FLOAT:
@@ -283,6 +295,25 @@ def _same_sequence(like: Any, items: list) -> Any:
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 _INT, _FLOAT = {int}, {float}
+
+
+def _scalars_as_their_dtype() -> frozenset:
+    """NumPy scalar types whose lists ``torch.as_tensor`` turns into a tensor of the
+    scalars' own dtype (asked of torch itself, once): a column of one of them is
+    filled straight into the slot.  Others (uint64, which torch refuses; longdouble)
+    keep going through ``torch.as_tensor``, errors included."""
+    ok = set()
+    for t in (np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
+              np.float16, np.float32, np.float64, np.complex64, np.complex128):
+        try:
+            if torch.as_tensor([t(1), t(0)]).dtype == torch.from_numpy(np.zeros(1, t)).dtype:
+                ok.add(t)
+        except (TypeError, RuntimeError):
+            pass
+    return frozenset(ok)
+
+
+_SCALARS_AS_THEIR_DTYPE = _scalars_as_their_dtype()
 
 
 def _numbers_into(batch: Any, dtype: Any, alloc: Alloc) -> np.ndarray:

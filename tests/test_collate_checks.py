@@ -88,3 +88,30 @@ def test_nested_rule_numbers_are_numpys(dtype):
     got = _collate.collate_nested(samples)
     want = np.asarray(samples)
     assert got.dtype == want.dtype and (got == want).all()
+
+
+SCALAR_TYPES = ["bool_", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+                "float16", "float32", "float64", "complex64", "complex128"]
+
+
+@pytest.mark.parametrize("name", SCALAR_TYPES)
+@pytest.mark.parametrize("mixed", [False, True])
+def test_torch_face_scalar_columns_are_default_collates(name, mixed):
+    """mploader.torch's collation of a column of NumPy scalars (filled in C when they
+    share one type) against torch.utils.data.default_collate itself."""
+    torch = pytest.importorskip("torch")
+    from mploader import _torch_collate as tc
+
+    t = getattr(np, name)
+    samples = [t(v) for v in (1, 0, 3, 1)]
+    if mixed:
+        samples[2] = np.float32(2.5)
+    try:
+        want = torch.utils.data.default_collate(samples)
+    except Exception as exc:  # noqa: BLE001 - the same error type is expected
+        with pytest.raises(type(exc)):
+            tc.to_tensors(tc.collate_into(samples, np.empty))
+        return
+    got = tc.to_tensors(tc.collate_into(samples, np.empty))
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got, want)
