@@ -110,6 +110,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
                  pin_memory_device: str = "", in_order: bool = True, shared_mem: int | None = None,
                  copy: bool = False, seed: int | None = None, snapshot_every_n_steps: int | None = None) -> None:
         extra = {"in_order": in_order} if _TORCH_HAS_IN_ORDER else {}
+        self._mpl_auto_prefetch = prefetch_factor is None   # torch's default 2, raised for small batches
         super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory,
                          drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
@@ -180,7 +181,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 prefetch=self.prefetch_factor * self.num_workers, shared_mem=self._mpl_shared_mem,
                 timeout_s=self.timeout or None, seed=self._mpl_seed or 0, copy=self._mpl_copy,
                 worker_init=init, reseed_per_batch=self._mpl_seed is not None, start_method=start_method,
-                on_grow=pinner.on_grow if pinner is not None else None)
+                on_grow=pinner.on_grow if pinner is not None else None, auto_prefetch=_auto_depth(self))
             if pinner is not None:
                 weakref.finalize(self._mpl_engine, pinner.release)
             self._mpl_pinned = pinner is not None
@@ -393,6 +394,18 @@ class _RingIter(_BaseDataLoaderIter):
                 # No pinned region (copy=True, or an accelerator other than CUDA): pin as torch does.
                 data = torch.utils.data._utils.pin_memory.pin_memory(data, self._pin_memory_device)
             return data
+
+
+def _auto_depth(loader: DataLoader) -> int | None:
+    """With torch's default ``prefetch_factor`` (None: 2), a map-style loader in order
+    keeps up to AUTO_PREFETCH_PER_WORKER batches per worker in flight while batches
+    are small (docs/design.md, "Batches in flight"); None otherwise (an explicit
+    ``prefetch_factor``, ``in_order=False``, an IterableDataset: torch's count)."""
+    if not loader._mpl_auto_prefetch or not loader.in_order or isinstance(loader.dataset, IterableDataset) \
+            or loader.num_workers <= 0:
+        return None
+    return max(loader.prefetch_factor * loader.num_workers,
+               min(_options.AUTO_PREFETCH_PER_WORKER * loader.num_workers, _options.MAX_PREFETCH))
 
 
 class _Dispatch:

@@ -97,3 +97,25 @@ def test_the_queue_shrinks_back_when_batches_grow():
         rest = list(it)
     assert ahead == 4   # 2 * num_workers again: 1 MiB holds 2 such batches
     assert len(rest) == 20
+
+
+@pytest.mark.parametrize("kw, depth", [({}, 32), ({"prefetch_factor": 2}, 4), ({"in_order": False}, 4)])
+def test_torch_face_default_prefetch_factor_rises_for_small_batches(kw, depth):
+    """mploader.torch: with prefetch_factor left to torch's default (2), small batches
+    get up to 16 per worker in flight; an explicit prefetch_factor, and in_order=False
+    (torch's per-worker task cap), keep torch's count (docs/faces.md)."""
+    pytest.importorskip("torch")
+    import mploader.torch
+
+    sampler = CountingBatches(200, 8)
+    with mploader.torch.DataLoader(Rows(1600, 16), batch_sampler=sampler, num_workers=2,
+                                   persistent_workers=True, **kw) as dl:
+        it = iter(dl)
+        firsts = [int(next(it)[0, 0]) for _ in range(100)]
+        ahead = sampler.taken - 100 + 1
+        firsts += [int(b[0, 0]) for b in it]
+    assert ahead == depth
+    if kw.get("in_order", True):
+        assert firsts == [(b * 8) % 251 for b in range(200)]
+    else:
+        assert sorted(firsts) == sorted((b * 8) % 251 for b in range(200))

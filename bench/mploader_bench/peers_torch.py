@@ -95,9 +95,10 @@ class _MPLTorch(_MPLoader):
 
         self._sampler = _SwappableBatches()
         if self.workers > 0:
-            factor = max(1, self.prefetch // self.workers) if self.prefetch else 2
-            extra: dict[str, Any] = dict(persistent_workers=True, prefetch_factor=factor,
-                                         multiprocessing_context="fork")
+            # prefetch None: the face's own default (torch's 2 per worker, raised for small batches)
+            extra: dict[str, Any] = dict(persistent_workers=True, multiprocessing_context="fork")
+            if self.prefetch:
+                extra["prefetch_factor"] = max(1, self.prefetch // self.workers)
         else:
             extra = {}
         if self.tensor_samples:
