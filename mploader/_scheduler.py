@@ -144,7 +144,14 @@ class Scheduler:
         signals deferred (docs/design.md, "Faults")."""
         engine = self.engine
         pushback = run.pushback
-        while not run.exhausted and len(run.inflight) < self.depth:
+        depth = self.depth
+        if depth > engine.prefetch and len(run.inflight) > depth // 2:
+            # A deep queue of small batches is refilled in bursts, once half of it was
+            # consumed: a worker woken by the first task of a burst finds the rest
+            # queued, instead of being woken for every task (docs/design.md,
+            # "Batches in flight").
+            return
+        while not run.exhausted and len(run.inflight) < depth:
             if not pushback:
                 # Signals deferred: an interrupt inside the sampler's generator would
                 # end it (a generator that raises is finished) and silently cut the epoch.
