@@ -8,9 +8,11 @@ state") records the format and why it resumes exactly with any ``num_workers``.
 Map-style loaders (Gluon, GluonNLP, PyTorch over a map-style dataset): the parent
 dispatches every batch, so the position is ``(epoch, batches consumed in the epoch)``
 plus what rebuilds the epoch's order: the state of the batch sampler (and of its
-iterator) as it was when the epoch started, and the base seed of the per-batch
-seeding ``(seed, epoch, batch_index)``.  Resuming rebuilds the epoch's batch stream
-from that state and starts the task stream at batch ``k``; a batch's indices and its
+iterator) as it was when the epoch started -- or, for a state that counts the
+batches its pass yielded, as it was right after the last batch received was pulled
+(:class:`Snapshots`) -- and the base seed of the per-batch seeding ``(seed, epoch,
+batch_index)``.  Resuming rebuilds the epoch's batch stream from that state and
+starts the task stream at batch ``k``; a batch's indices and its
 worker seed do not depend on which worker builds it, so the batches (values,
 order, random augmentations) are the same for any worker count, 0 included.  A
 batch is consumed when the user received it (or received its dataset's exception):
@@ -25,13 +27,14 @@ reading the dataset.
 """
 from __future__ import annotations
 
+import collections
 import copy
 import itertools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["VERSION", "StateMismatchError", "MapProgress", "MapState", "check_state", "check_same", "save",
-           "restore", "type_name"]
+__all__ = ["VERSION", "StateMismatchError", "MapProgress", "MapState", "Snapshots", "check_state", "check_same",
+           "save", "restore", "type_name"]
 
 #: The version of every state dict this module writes and accepts.
 VERSION = 1
@@ -122,16 +125,76 @@ def _length(obj: Any) -> int | None:
         return None
 
 
+#: How a batch sampler's state behaves within a pass (see :class:`Snapshots`).
+UNDECIDED, PER_PASS, PER_BATCH = "undecided", "per pass", "per batch"
+
+
+class Snapshots:
+    """The states ``(batch sampler's, its iterator's)`` taken right after each batch
+    was pulled, for a batch sampler (or iterator) with ``state_dict``.
+
+    Two kinds of sampler state exist.  *Per pass*: the state describes a whole pass
+    and does not move while the pass yields (mploader's samplers, samplers seeded by
+    the epoch); resuming restores the state the pass started from and skips the
+    batches received.  *Per batch*: the state counts what the pass has yielded and
+    loading it makes the next pass continue from there (torchdata's
+    ``StatefulDistributedSampler``, torchdata's iterators,
+    :class:`~mploader.DistributedBatchSampler`); resuming restores the state taken
+    right after the last batch received was pulled -- not the latest one: prefetch
+    pulls ahead -- and skips nothing.  The first two pulls of a pass decide: a state
+    that differs after the second pull from after the first is per batch.  (One pass
+    of one batch stays undecided and is resumed per pass, which is exact for both
+    there.)  A per-pass state is snapshotted twice per pass; a per-batch one after
+    every pull, kept from the last batch received on.
+
+    A per-batch state taken when no batch of the pass has been received (between
+    passes, or right after ``iter()``) may still point at the end of the previous
+    pass: ``StatefulDistributedSampler`` resets its count only when the next pass
+    starts.  Loaded, it makes the next pass empty, while the live sampler's next pass
+    is whole; so a resumed pass from such a state that turns out empty is started
+    again once (:meth:`MapState._pulls`)."""
+
+    __slots__ = ("mode", "first", "after")
+
+    def __init__(self) -> None:
+        self.mode = UNDECIDED
+        self.first: Any = None
+        self.after: collections.deque = collections.deque()   # (batch index, snapshot)
+
+    def pulled(self, batch_index: int, snap: tuple, consumed: int) -> None:
+        if self.mode == UNDECIDED:
+            if self.first is None:
+                self.first = snap
+            else:
+                self.mode = PER_PASS if snap == self.first else PER_BATCH
+                if self.mode == PER_PASS:
+                    self.after.clear()
+                    return
+        after = self.after
+        after.append((batch_index, snap))
+        while len(after) > 1 and after[0][0] < consumed - 1:
+            after.popleft()
+
+    def at(self, consumed: int) -> tuple | None:
+        """The snapshot taken after batch ``consumed - 1`` was pulled."""
+        for i, snap in self.after:
+            if i == consumed - 1:
+                return snap
+        return None
+
+
 class MapProgress:
     """Where one epoch of a map-style loader stands: its epoch, the batches the user
     has received (``consumed``: the contiguous prefix; ``ahead``: batch indices
     received beyond it, with ``in_order=False``), and the states that rebuild its
-    batch stream (taken when the epoch started)."""
+    batch stream (taken when the epoch started, or loaded: ``position`` is the
+    batch index the rebuilt stream starts at), and the per-batch ``snaps``."""
 
-    __slots__ = ("epoch", "consumed", "ahead", "sampler_state", "iter_state", "finished", "error", "rng_state")
+    __slots__ = ("epoch", "consumed", "ahead", "sampler_state", "iter_state", "finished", "error", "rng_state",
+                 "position", "snaps", "retry_empty")
 
     def __init__(self, epoch: int, consumed: int, ahead: set[int], sampler_state: Any, iter_state: Any,
-                 error: BaseException | None) -> None:
+                 error: BaseException | None, position: int = 0, snaps: Snapshots | None = None) -> None:
         self.epoch = epoch
         self.consumed = consumed
         self.ahead = ahead
@@ -140,6 +203,9 @@ class MapProgress:
         self.finished = False
         self.error = error
         self.rng_state: Any = None   # the sampler's RNG as the epoch's first batch was drawn
+        self.position = position
+        self.snaps = snaps
+        self.retry_empty = False   # see MapState._pulls
 
     def received(self, batch_index: int | None = None) -> None:
         """The user received batch ``batch_index`` (None: the next one in order)."""
@@ -186,6 +252,7 @@ class MapState:
         self.rng = rng
         self.progress: MapProgress | None = None
         self.pending: dict | None = None   # a loaded state, for the next start_epoch
+        self.mode: str | None = None   # how the last pass's batch sampler state behaved (Snapshots)
         self.workers: tuple | None = None   # a face's own bookkeeping of its running workers (the torch face's)
 
     # ---- iteration ----
@@ -197,7 +264,7 @@ class MapState:
         both are deep copies.  ``it``: the epoch's iterator when the face already made
         it (torch's iterators do)."""
         pending, self.pending = self.pending, None
-        consumed, ahead = 0, set()
+        consumed, ahead, position = 0, set(), 0
         error = None
         sampler_state = iter_state = None
         try:
@@ -208,6 +275,7 @@ class MapState:
             it = iter(self.batch_sampler)
         if pending is not None:
             consumed, ahead = pending["batches_consumed"], set(pending["batches_ahead"])
+            position = pending.get("batch_sampler_position", 0)
             if pending["batch_sampler_iter_state"] is not None:
                 restore(it, pending["batch_sampler_iter_state"], "batch sampler's iterator")
         if error is None:
@@ -215,7 +283,14 @@ class MapState:
                 iter_state = save(it) if pending is None else copy.deepcopy(pending["batch_sampler_iter_state"])
             except Exception as exc:  # noqa: BLE001 - raised by state_dict(), not by iteration
                 error = exc
-        progress = MapProgress(epoch, consumed, ahead, sampler_state, iter_state, error)
+        snaps = None
+        if error is None and (callable(getattr(self.batch_sampler, "state_dict", None))
+                              or callable(getattr(it, "state_dict", None))):
+            snaps = Snapshots()
+        self.mode = None
+        progress = MapProgress(epoch, consumed, ahead, sampler_state, iter_state, error, position, snaps)
+        progress.retry_empty = (pending is not None and consumed == 0 and not ahead
+                                and pending.get("batch_sampler_mode") == PER_BATCH)
         rng_state = None
         if pending is not None and pending.get("rng_at") == "first_pull":
             rng_state = progress.rng_state = pending.get("rng_state")
@@ -225,6 +300,7 @@ class MapState:
     def _tasks(self, progress: MapProgress, it: Iterator, start: int, skip: frozenset,
                rng_state: Any) -> Iterator[tuple]:
         epoch, rng = progress.epoch, self.rng
+        source = it   # the batch sampler's own iterator (its state is snapshotted)
         if rng is not None:   # the sampler draws its order from rng at the first pull
             first: Any = _END
             if rng_state is None:
@@ -241,10 +317,38 @@ class MapState:
             if first is _END:
                 return
             it = itertools.chain((first,), it)
-        for i, indices in enumerate(it):
-            if i < start or i in skip:
-                continue   # consumed before the checkpoint: rebuilt, not loaded
-            yield epoch, i, indices
+        snaps = progress.snaps
+        pulls = self._pulls(progress, it, source)
+        for pulled in pulls:
+            batches = [pulled]
+            if snaps is not None and snaps.mode == UNDECIDED:
+                ahead = next(pulls, None)   # a second pull decides how the state behaves
+                if ahead is not None:
+                    batches.append(ahead)
+            for i, indices in batches:
+                if i < start or i in skip:
+                    continue   # consumed before the checkpoint: rebuilt, not loaded
+                yield epoch, i, indices
+
+    def _pulls(self, progress: MapProgress, it: Iterator, source: Iterator) -> Iterator[tuple[int, Any]]:
+        """``(batch_index, indices)`` from ``it``, numbered from ``progress.position``,
+        with the states of the batch sampler and of ``source`` (its iterator)
+        snapshotted right after each pull (:class:`Snapshots`).  A pass resumed from a
+        per-batch state with nothing received that yields nothing is started again,
+        once (the state pointed at the end of the pass before; see :class:`Snapshots`)."""
+        snaps = progress.snaps
+        i = progress.position
+        for attempt in (0, 1):
+            for indices in it:
+                if snaps is not None and snaps.mode != PER_PASS:
+                    snaps.pulled(i, (save(self.batch_sampler), save(source)), progress.consumed)
+                yield i, indices
+                i += 1
+            if i > progress.position or attempt or not progress.retry_empty:
+                break
+            it = source = iter(self.batch_sampler)
+        if snaps is not None:
+            self.mode = snaps.mode
 
     # ---- checkpoints ----
 
@@ -261,6 +365,7 @@ class MapState:
         if self.pending is not None:
             return copy.deepcopy(self.pending)
         rng = self.rng
+        position, mode = 0, self.mode
         if progress is None or progress.finished:
             epoch, consumed, ahead = next_epoch, 0, []
             sampler_state, iter_state = save(self.batch_sampler), None
@@ -269,8 +374,16 @@ class MapState:
             if progress.error is not None:
                 raise progress.error
             epoch, consumed, ahead = progress.epoch, progress.consumed, sorted(progress.ahead)
-            sampler_state = copy.deepcopy(progress.sampler_state)
-            iter_state = copy.deepcopy(progress.iter_state)
+            snaps, position = progress.snaps, progress.position
+            mode = snaps.mode if snaps is not None else None
+            snap = snaps.at(consumed) if snaps is not None and snaps.mode == PER_BATCH and consumed > position \
+                else None
+            if snap is not None:   # a per-batch state: as of the last batch received
+                sampler_state, iter_state = copy.deepcopy(snap)
+                position = consumed
+            else:
+                sampler_state = copy.deepcopy(progress.sampler_state)
+                iter_state = copy.deepcopy(progress.iter_state)
             rng_state, rng_at = None, None
             if rng is not None:   # before the first pull the generator has not drawn yet
                 rng_state = copy.deepcopy(progress.rng_state) if progress.rng_state is not None else rng.get()
@@ -284,6 +397,8 @@ class MapState:
             "epoch": epoch,
             "batches_consumed": consumed,
             "batches_ahead": ahead,
+            "batch_sampler_position": position,
+            "batch_sampler_mode": mode,
             "seed": seed,
             "batch_sampler_state": sampler_state,
             "batch_sampler_iter_state": iter_state,
@@ -316,12 +431,16 @@ class MapState:
             raise StateMismatchError(f"cannot load the state: it lacks {', '.join(missing)}")
         check_same("dataset_length", state.get("dataset_length"), _length(self.dataset))
         check_same("batch_sampler_type", state.get("batch_sampler_type"), type_name(self.batch_sampler))
-        for name in ("epoch", "batches_consumed", "seed"):
-            value = state[name]
+        for name in ("epoch", "batches_consumed", "seed", "batch_sampler_position"):
+            value = state.get(name, 0)
             if name == "seed" and value is None and seed_none_ok:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise StateMismatchError(f"cannot load the state: {name} must be a non-negative int, got {value!r}")
+        if state.get("batch_sampler_position", 0) > state["batches_consumed"]:
+            raise StateMismatchError(f"cannot load the state: batch_sampler_position="
+                                     f"{state['batch_sampler_position']} is beyond batches_consumed="
+                                     f"{state['batches_consumed']}")
         restore(self.batch_sampler, state["batch_sampler_state"], "batch sampler")
         restore(self.dataset, state["dataset_state"], "dataset")
         if self.rng is not None and state.get("rng_at") == "epoch_start" and state.get("rng_state") is not None:

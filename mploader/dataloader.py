@@ -219,8 +219,12 @@ class DataLoader:
         JSON-serialisable whenever the batch sampler's and dataset's own
         ``state_dict()`` are.  It holds the epoch, the number of batches the user
         has received in it (batches in flight are not counted: they are built again
-        after a resume), the base seed, and the states of the batch sampler (taken
-        when the epoch started) and of the dataset, when they have ``state_dict``.
+        after a resume), the base seed, and the states of the batch sampler and of
+        the dataset, when they have ``state_dict``: a batch sampler's state taken when
+        the epoch started when it describes the whole pass, or right after the last
+        batch received was pulled when it counts what the pass yielded (e.g. a
+        ``BatchSampler`` over torchdata's ``StatefulDistributedSampler``;
+        docs/design.md, "Checkpoint state").
         The worker count is not part of it: the state loads into a loader with any
         ``num_workers`` (0 included) and the batches that follow are bit-identical,
         random augmentations included (each batch's worker seeds its RNGs from
