@@ -127,16 +127,11 @@ class Fetch:
     when ``default_collate_fn_map`` was extended), CONVERT (:func:`convert_into`),
     CUSTOM (``collate_fn`` + :func:`pack`).
 
-    ``rng``: with ``capture_rng`` (torch's per-worker seeding), the worker's RNG
-    states after the batch (:func:`mploader._rng_state.capture`, ``bytes``), which
-    a checkpoint needs; else None.  An exception raised by the batch carries them
-    as its ``mploader_rng`` attribute (when it can take one).
+    ``rng`` is None here; :class:`CapturingFetch` sends the worker's RNG states.
     """
 
-    def __init__(self, mode: str, collate_fn: Callable, auto_collation: bool, drop_last: bool,
-                 capture_rng: bool = False) -> None:
+    def __init__(self, mode: str, collate_fn: Callable, auto_collation: bool, drop_last: bool) -> None:
         self.mode = mode
-        self.capture_rng = capture_rng
         self.auto_collation = auto_collation
         self.collate_fn = collate_fn
         self.drop_last = drop_last
@@ -147,33 +142,20 @@ class Fetch:
     def __call__(self, dataset: Any, indices: Any, alloc: Callable) -> tuple[int, Any, int, bytes | None]:
         info = _torch_worker._worker_info
         wid = info.id if info is not None else -1
-        if not self.capture_rng:
-            return (wid, *self._load(dataset, indices, alloc), None)
-        try:
-            payload, kind = self._load(dataset, indices, alloc)
-        except Exception as exc:
-            try:
-                exc.mploader_rng = _rng_state.capture()  # type: ignore[attr-defined]
-            except Exception:  # noqa: BLE001 - an exception type without attributes: the state is not known
-                pass
-            raise
-        return (wid, payload, kind, _rng_state.capture())
-
-    def _load(self, dataset: Any, indices: Any, alloc: Callable) -> tuple[Any, int]:
         if isinstance(dataset, IterableDataset):
             data = self._next_samples(dataset, indices)
             if data is _END:
-                return (None, EXHAUSTED)
+                return (wid, None, EXHAUSTED, None)
         elif self.auto_collation:
             getitems = getattr(dataset, "__getitems__", None)
             data = getitems(indices) if getitems else [dataset[i] for i in indices]
         else:
             data = dataset[indices]
         if self.mode == DEFAULT and stock_default_collate():
-            return (collate_into(data, alloc), ARRAYS)
+            return (wid, collate_into(data, alloc), ARRAYS, None)
         if self.mode == CONVERT:
-            return (convert_into(data), ARRAYS)
-        return (pack(self.collate_fn(data)), PACKED)
+            return (wid, convert_into(data), ARRAYS, None)
+        return (wid, pack(self.collate_fn(data)), PACKED, None)
 
     def _next_samples(self, dataset: Any, indices: Any) -> Any:
         _, epoch, n = indices
@@ -198,6 +180,25 @@ class Fetch:
         if not data or (self.drop_last and len(data) < n):
             return _END
         return data
+
+
+class CapturingFetch(Fetch):
+    """:class:`Fetch` for torch's per-worker seeding: ``rng`` is the worker's RNG
+    states after the batch -- after collation, which may draw too --
+    (:func:`mploader._rng_state.capture`, ``bytes``), which a checkpoint needs
+    (docs/design.md, "Checkpoint state").  An exception raised by the batch carries
+    them as its ``mploader_rng`` attribute, when its type can take one."""
+
+    def __call__(self, dataset: Any, indices: Any, alloc: Callable) -> tuple[int, Any, int, bytes | None]:
+        try:
+            wid, payload, kind, _ = super().__call__(dataset, indices, alloc)
+        except Exception as exc:
+            try:
+                exc.mploader_rng = _rng_state.capture()  # type: ignore[attr-defined]
+            except Exception:  # noqa: BLE001 - an exception type without attributes: the state is not known
+                pass
+            raise
+        return (wid, payload, kind, _rng_state.capture())
 
 
 #: ``_next_samples``' answer when the replica has no (full) batch left.

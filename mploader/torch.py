@@ -41,7 +41,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from . import _diagnose, _engine, _metrics, _options, _pinning, _torch_state
 from ._torch_collate import to_tensors, unpack
-from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, PACKED, Fetch, WorkerInit
+from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, PACKED, CapturingFetch, Fetch, WorkerInit
 
 __all__ = ["DataLoader", "get_worker_info", "default_collate", "default_convert"]
 
@@ -172,8 +172,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 mode = CONVERT
             else:
                 mode = CUSTOM
-            fetch = Fetch(mode, self.collate_fn, self._auto_collation, self.drop_last,
-                          capture_rng=self._mpl_seed is None)
+            fetch = (CapturingFetch if self._mpl_seed is None else Fetch)(
+                mode, self.collate_fn, self._auto_collation, self.drop_last)
             init = WorkerInit(self.dataset, self.worker_init_fn, per_batch=self._mpl_seed is not None)
             pinner = self._mpl_host_pinner = self._mpl_pinner()
             self._mpl_engine = _engine.Engine(

@@ -398,3 +398,71 @@ def test_shuffle_off_the_generator_only_seeds_the_workers():
     p = PER_EPOCH
     assert states[p]["base_seed_generator"] is not None
     assert resumed(lambda: make(2, shuffle=False), states[p], len(want) - p) == want[p:]
+
+
+class FailsAtFive(Augmented):
+    """Draws its augmentation, then raises for sample 5."""
+
+    def __getitem__(self, i):
+        sample = super().__getitem__(i)
+        if i == 5:
+            raise KeyError(i)
+        return sample
+
+
+def test_a_batch_that_raised_passes_its_worker_state_on():
+    """A dataset exception consumes its batch; the worker's RNG states after it travel
+    with the exception, so a state saved right after it resumes that worker's stream."""
+    def loader():
+        return DataLoader(FailsAtFive(), batch_size=BATCH, num_workers=2, generator=torch.Generator().manual_seed(1))
+
+    def run(it, out):
+        while True:
+            try:
+                out.append(as_list(next(it)))
+            except KeyError:
+                out.append("KeyError")
+            except StopIteration:
+                return out
+
+    with loader() as saved:
+        it = iter(saved)
+        got = [as_list(next(it)), as_list(next(it))]
+        with pytest.raises(KeyError):
+            next(it)
+        state = json.loads(json.dumps(saved.state_dict()))
+        rest = run(it, [])
+    assert state["batches_consumed"] == 3 and state["worker_rng"]["states"][0] is not None
+    with loader() as again:
+        again.load_state_dict(state)
+        assert run(iter(again), []) == rest
+    check_streams(got)
+
+
+@pytest.fixture
+def mp_helpers():
+    """multiprocessing's resource tracker and resource sharer (which passes the ring's
+    fd to spawned workers) are per-process daemons that live until exit; start them
+    before ``no_leaks`` takes its snapshot (as tests/test_torch_face.py)."""
+    import multiprocessing.reduction
+    import multiprocessing.resource_tracker
+    import os
+    multiprocessing.resource_tracker.ensure_running()
+    multiprocessing.reduction.DupFd(os.dup(0))  # starts the sharer's listener
+
+
+@pytest.mark.usefixtures("mp_helpers")   # function marks come before the module's no_leaks
+def test_spawned_workers_get_their_states():
+    """spawn: the states reach the workers inside the pickled ``worker_init``."""
+    def loader():
+        return make(1, multiprocessing_context="spawn")
+
+    with loader() as saved:
+        it = iter(saved)
+        first = [as_list(next(it)) for _ in range(3)]
+        state = json.loads(json.dumps(saved.state_dict()))
+        rest = [as_list(b) for b in it]
+    with loader() as again:
+        again.load_state_dict(state)
+        assert [as_list(b) for b in again] == rest
+    check_streams(first + rest)
