@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import copy
 import itertools
+import pickle
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -152,21 +153,26 @@ class Snapshots:
     pass: ``StatefulDistributedSampler`` resets its count only when the next pass
     starts.  Loaded, it makes the next pass empty, while the live sampler's next pass
     is whole; so a resumed pass from such a state that turns out empty is started
-    again once (:meth:`MapState._pulls`)."""
+    again once (:meth:`MapState._pulls`).  Between passes the state of a per-batch
+    iterator is kept too, as its pass ended (``end``): loaded, its pass is empty and
+    the one started again draws what the live batch sampler's next pass will (e.g.
+    torchdata's ``RandomSampler`` regenerates the finished pass's permutation from
+    its generator's state, which leaves the generator where the live one is)."""
 
-    __slots__ = ("mode", "first", "after")
+    __slots__ = ("mode", "first", "after", "end")
 
     def __init__(self) -> None:
         self.mode = UNDECIDED
         self.first: Any = None
         self.after: collections.deque = collections.deque()   # (batch index, snapshot)
+        self.end: Any = None   # a per-batch iterator's state once its pass is exhausted
 
     def pulled(self, batch_index: int, snap: tuple, consumed: int) -> None:
         if self.mode == UNDECIDED:
             if self.first is None:
                 self.first = snap
             else:
-                self.mode = PER_PASS if snap == self.first else PER_BATCH
+                self.mode = PER_PASS if _same(snap, self.first) else PER_BATCH
                 if self.mode == PER_PASS:
                     self.after.clear()
                     return
@@ -181,6 +187,23 @@ class Snapshots:
             if i == consumed - 1:
                 return snap
         return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a == b`` for states that may hold tensors or arrays (whose ``==`` is
+    elementwise): containers are compared item by item, and a value whose ``==`` is
+    not a plain truth value by its pickle."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - an elementwise == (tensors, arrays): compare the bytes
+        try:
+            return pickle.dumps(a) == pickle.dumps(b)
+        except Exception:  # noqa: BLE001 - unpicklable: treat as moved (per batch, the safe side)
+            return False
 
 
 class MapProgress:
@@ -205,7 +228,7 @@ class MapProgress:
         self.rng_state: Any = None   # the sampler's RNG as the epoch's first batch was drawn
         self.position = position
         self.snaps = snaps
-        self.retry_empty = False   # see MapState._pulls
+        self.retry_empty = 0   # iterators to make when the resumed pass is empty (MapState._pulls)
 
     def received(self, batch_index: int | None = None) -> None:
         """The user received batch ``batch_index`` (None: the next one in order)."""
@@ -257,12 +280,17 @@ class MapState:
 
     # ---- iteration ----
 
-    def start_epoch(self, epoch: int, it: Iterator | None = None) -> tuple[MapProgress, Iterator[tuple]]:
+    def start_epoch(self, epoch: int, it: Iterator | None = None,
+                    iterators_per_epoch: int = 1) -> tuple[MapProgress, Iterator[tuple]]:
         """Begin epoch ``epoch`` (or, after :meth:`load`, the loaded epoch at its
         position; the face passes the epoch :meth:`load` returned).  The batch
         sampler's state is taken before ``iter()`` and its iterator's right after;
         both are deep copies.  ``it``: the epoch's iterator when the face already made
-        it (torch's iterators do)."""
+        it (torch's iterators do); ``iterators_per_epoch``: how many times the face
+        iterates the batch sampler at an epoch's start (torch's multi-process iterator
+        makes two and uses the last: a sampler that draws when iterated, such as
+        torchdata's ``RandomSampler``, draws twice), which a pass started again
+        (:meth:`_pulls`) repeats."""
         pending, self.pending = self.pending, None
         consumed, ahead, position = 0, set(), 0
         error = None
@@ -289,8 +317,8 @@ class MapState:
             snaps = Snapshots()
         self.mode = None
         progress = MapProgress(epoch, consumed, ahead, sampler_state, iter_state, error, position, snaps)
-        progress.retry_empty = (pending is not None and consumed == 0 and not ahead
-                                and pending.get("batch_sampler_mode") == PER_BATCH)
+        if pending is not None and consumed == 0 and not ahead and pending.get("batch_sampler_mode") == PER_BATCH:
+            progress.retry_empty = iterators_per_epoch
         rng_state = None
         if pending is not None and pending.get("rng_at") == "first_pull":
             rng_state = progress.rng_state = pending.get("rng_state")
@@ -346,9 +374,12 @@ class MapState:
                 i += 1
             if i > progress.position or attempt or not progress.retry_empty:
                 break
-            it = source = iter(self.batch_sampler)
+            for _ in range(progress.retry_empty):   # as the face starts an epoch
+                it = source = iter(self.batch_sampler)
         if snaps is not None:
             self.mode = snaps.mode
+            if snaps.mode == PER_BATCH:
+                snaps.end = save(source)
 
     # ---- checkpoints ----
 
@@ -369,6 +400,8 @@ class MapState:
         if progress is None or progress.finished:
             epoch, consumed, ahead = next_epoch, 0, []
             sampler_state, iter_state = save(self.batch_sampler), None
+            if progress is not None and progress.snaps is not None and progress.snaps.mode == PER_BATCH:
+                iter_state = copy.deepcopy(progress.snaps.end)   # see Snapshots
             rng_state, rng_at = (rng.get(), "epoch_start") if rng is not None else (None, None)
         else:
             if progress.error is not None:

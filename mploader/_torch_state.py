@@ -265,8 +265,9 @@ def _tasks_to_pairs(tasks: Iterator[tuple]) -> Iterator[tuple]:
         yield i, index
 
 
-def begin(loader: DataLoader, epoch: int, sampler_iter: Iterator) -> Position:
-    """Start an epoch of ``loader`` whose iterator made ``sampler_iter``."""
+def begin(loader: DataLoader, epoch: int, sampler_iter: Iterator, iterators_per_epoch: int = 1) -> Position:
+    """Start an epoch of ``loader`` whose iterator made ``sampler_iter`` (after
+    ``iterators_per_epoch - 1`` others: see :meth:`mploader._state.MapState.start_epoch`)."""
     ckpt = _checkpoint(loader)
     if isinstance(ckpt, _IterableState):
         pending, ckpt.pending = ckpt.pending, None
@@ -276,7 +277,7 @@ def begin(loader: DataLoader, epoch: int, sampler_iter: Iterator) -> Position:
             skip = frozenset(range(pending["batches_consumed"]))
         ckpt.progress = progress
         return Position(progress, enumerate(sampler_iter), skip)
-    progress, tasks = ckpt.start_epoch(epoch, sampler_iter)
+    progress, tasks = ckpt.start_epoch(epoch, sampler_iter, iterators_per_epoch)
     return Position(progress, _tasks_to_pairs(tasks), frozenset())
 
 

@@ -351,7 +351,10 @@ class _RingIter(_BaseDataLoaderIter):
         if resume is not None:
             self._dispatch.resume(resume["assigned"], resume["next_worker"])
         self._epoch = loader._mpl_next_epoch()
-        self._mpl_pos = _torch_state.begin(loader, self._epoch, self._sampler_iter)
+        # torch's iterator iterates the batch sampler in __init__ and again in _reset;
+        # a persistent one's later epochs only in _reset.
+        per_epoch = 1 if self._persistent_workers else 2
+        self._mpl_pos = _torch_state.begin(loader, self._epoch, self._sampler_iter, per_epoch)
         _torch_state.track_workers(loader, self._mpl_streams, self._dispatch)
         self._run = engine.run(self._dispatch.tasks(self._epoch, self._mpl_pos.pairs, self._is_iterable),
                                in_order=self._in_order)
