@@ -369,7 +369,12 @@ class MapState:
         for attempt in (0, 1):
             for indices in it:
                 if snaps is not None and snaps.mode != PER_PASS:
-                    snaps.pulled(i, (save(self.batch_sampler), save(source)), progress.consumed)
+                    try:
+                        snap = (save(self.batch_sampler), save(source))
+                    except Exception as exc:  # noqa: BLE001 - raised by state_dict(): state() raises it
+                        progress.error, progress.snaps, snaps = exc, None, None
+                    else:
+                        snaps.pulled(i, snap, progress.consumed)
                 yield i, indices
                 i += 1
             if i > progress.position or attempt or not progress.retry_empty:
@@ -379,7 +384,10 @@ class MapState:
         if snaps is not None:
             self.mode = snaps.mode
             if snaps.mode == PER_BATCH:
-                snaps.end = save(source)
+                try:
+                    snaps.end = save(source)
+                except Exception as exc:  # noqa: BLE001 - raised by state_dict(): state() raises it
+                    progress.error = exc
 
     # ---- checkpoints ----
 

@@ -276,3 +276,26 @@ def test_torch_face_resumes_a_counting_sampler_as_torchdata(workers, sampler, ne
         want = [x for epoch in rest_after(theirs_epochs, e, b) for x in epoch]
         got = [x for epoch in resumed_epochs(theirs, state, EPOCHS + 1, torch_batches) for x in epoch]
         assert got[:len(want)] == want, (e, b)
+
+
+class Unsavable(CountingSampler):
+    """A counting sampler whose ``state_dict`` fails once the pass has gone far."""
+
+    def state_dict(self):
+        if self.yielded > 2 * BATCH:
+            raise RuntimeError(f"cannot save after {self.yielded} indices")
+        return super().state_dict()
+
+
+def test_a_state_dict_failing_mid_pass_fails_state_dict_not_iteration():
+    with mploader.DataLoader(Dataset(), batch_size=BATCH, sampler=Unsavable()) as loader:
+        it = iter(loader)
+        got = [as_list(next(it))]
+        assert loader.state_dict()["batch_sampler_state"]["sampler"] == {"yielded": BATCH}
+        got += [as_list(next(it)), as_list(next(it))]   # the third pull's snapshot failed
+        with pytest.raises(RuntimeError, match="cannot save after 9 indices"):
+            loader.state_dict()
+        got += [as_list(b) for b in it]
+        assert got == order_in_batches(CountingSampler())
+        with pytest.raises(RuntimeError, match="cannot save after 11 indices"):
+            loader.state_dict()   # between passes: the sampler's state as it is
