@@ -240,8 +240,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
         state of the generator torch's ``RandomSampler`` draws from, and ``seed``.
         It loads into a loader with any ``num_workers`` (torchdata refuses another
         count): with ``seed=`` the batches that follow are bit-identical, random
-        augmentations included; without it (torch's per-worker seeding) the indices
-        and order are, the augmentations are not.  ``RandomSampler(generator=None)``
+        augmentations included.  Without it (torch's per-worker seeding) the state
+        also holds the base seed, each worker's RNG states (``random``, NumPy,
+        torch) after its last batch received and the batches in flight with their
+        workers (``"worker_rng"``), so a loader with the *same* ``num_workers``
+        resumes the augmentations exactly too; with another count the indices and
+        order are exact and the workers start from the saved base seed ``+ id``
+        (as torchdata's), so the augmentations are not.  ``RandomSampler(generator=None)``
         draws from torch's global RNG: a state taken between epochs is exact when
         nothing else draws from it between ``load_state_dict()`` and ``iter()``
         (pass ``generator=`` to be independent of it).  IterableDatasets: the epoch,
