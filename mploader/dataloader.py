@@ -9,6 +9,7 @@ from typing import Any
 from . import _diagnose, _engine, _metrics, _pinning, _state
 from ._collate import Alloc, collate_gluon
 from ._errors import is_batch_error
+from ._executors import START_METHODS
 from ._options import LoaderOptions, check_callable, check_choice, check_dataset, check_int
 from .batchify import collate
 from .sampler import BatchSampler, RandomSampler, SequentialSampler
@@ -119,6 +120,12 @@ class DataLoader:
         batches are the same for any ``num_workers``.  None: the rule of every face,
         :func:`mploader._options.default_seed` (read from NumPy's global random state
         without advancing it, so ``np.random.seed`` makes runs reproducible).
+    start_method : {"fork", "spawn", "forkserver"}
+        How worker processes start (mploader's keyword; Gluon forks).  With "spawn"
+        or "forkserver" the dataset and ``batchify_fn`` are pickled to each worker and
+        the ring reaches it as a passed file descriptor; use it when the training
+        process runs torch/MKL work in other threads while workers start
+        (docs/design.md, "Faults").
 
     Raises
     ------
@@ -140,8 +147,9 @@ class DataLoader:
                  num_workers: int = 0, pin_memory: bool = False, pin_device_id: int = 0,
                  prefetch: int | None = None, thread_pool: bool = False, timeout: float | None = 120,
                  try_nopython: bool | None = None, *, shared_mem: int | None = None, copy: bool = False,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, start_method: str = "fork") -> None:
         check_dataset(dataset, needs_len=batch_sampler is None)
+        start_method = check_choice("start_method", start_method, START_METHODS)
         check_callable("batchify_fn", batchify_fn, none_ok=True)
         self._options = options = LoaderOptions(
             num_workers=num_workers, prefetch=prefetch, shared_mem=shared_mem, timeout_s=timeout, seed=seed,
@@ -182,7 +190,8 @@ class DataLoader:
             if runtime is not None:
                 self._pinner = _pinning.HostPinner(*runtime)
             on_grow = self._pinner.on_grow if self._pinner is not None else None
-            self._engine = _engine.Engine(dataset, self._fetch, on_grow=on_grow, **options.engine_kwargs())
+            self._engine = _engine.Engine(dataset, self._fetch, on_grow=on_grow, start_method=start_method,
+                                          **options.engine_kwargs())
             if self._pinner is not None:
                 weakref.finalize(self._engine, self._pinner.release)
 
