@@ -29,6 +29,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("torchdata.stateful_dataloader")
 
+import _state_util  # noqa: E402
 from torch.utils.data import get_worker_info  # noqa: E402
 from torch.utils.data._utils.worker import _generate_state  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
@@ -77,34 +78,15 @@ def make(workers, persistent=False, in_order=True, shuffle=True, **kw):
 
 
 def snapshot(loader):
-    if isinstance(loader, StatefulDataLoader):
-        return copy.deepcopy(loader.state_dict())
-    return json.loads(json.dumps(loader.state_dict()))
+    return _state_util.snapshot(loader)
 
 
 def run_all(loader):
-    """Every batch of two epochs (lists of samples); the state before each batch and
-    after each epoch's StopIteration."""
-    states, batches = [snapshot(loader)], []
-    for _ in range(EPOCHS):
-        for batch in loader:
-            batches.append(as_list(batch))
-            states.append(snapshot(loader))
-        states[-1] = snapshot(loader)
-    return states, batches
+    return _state_util.run_all(loader, as_list, EPOCHS)
 
 
-def resumed(make_loader, state, needed):
-    loader = make_loader()
-    loader.load_state_dict(state)
-    out = []
-    for _ in range(EPOCHS + 1):
-        if len(out) >= needed:
-            break
-        out.extend(as_list(b) for b in loader)
-    if hasattr(loader, "close"):
-        loader.close()
-    return out[:needed]
+def resumed(make, state, needed):
+    return _state_util.resumed(make, state, needed, as_list, EPOCHS + 1)
 
 
 def replay(seed, wid, indices):

@@ -5,7 +5,6 @@ a fresh loader, and compare the batches that follow -- with each other where bot
 loaders yield the same order, and with each loader's own uninterrupted run."""
 from __future__ import annotations
 
-import copy
 import json
 
 import numpy as np
@@ -14,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 stateful = pytest.importorskip("torchdata.stateful_dataloader")
 
+import _state_util  # noqa: E402
 from torch.utils.data import IterableDataset, get_worker_info  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler  # noqa: E402
@@ -76,35 +76,15 @@ def as_list(batch):
 
 
 def snapshot(loader):
-    """Our states go through JSON; torchdata's hold tensors (a generator's state), so
-    they are deep-copied instead."""
-    if isinstance(loader, StatefulDataLoader):
-        return copy.deepcopy(loader.state_dict())
-    return json.loads(json.dumps(loader.state_dict()))
+    return _state_util.snapshot(loader)
 
 
 def run_all(loader):
-    """Every batch of two epochs; the state before each, and after each StopIteration."""
-    states, batches = [snapshot(loader)], []
-    for _ in range(EPOCHS):
-        for batch in loader:
-            batches.append(as_list(batch))
-            states.append(snapshot(loader))
-        states[-1] = snapshot(loader)
-    return states, batches
+    return _state_util.run_all(loader, as_list, EPOCHS)
 
 
 def resumed(make, state, needed):
-    loader = make()
-    loader.load_state_dict(state)
-    out = []
-    for _ in range(EPOCHS + 2):
-        if len(out) >= needed:
-            break
-        out.extend(as_list(b) for b in loader)
-    if hasattr(loader, "close"):
-        loader.close()
-    return out[:needed]
+    return _state_util.resumed(make, state, needed, as_list, EPOCHS + 2)
 
 
 def wrong_positions(make_saved, make_resumed):
