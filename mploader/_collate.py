@@ -153,10 +153,11 @@ def collate_nested(samples: Sequence[Any], alloc: Alloc = _heap_alloc) -> Any:
             return list(samples)
         return _stack_into(samples, first.dtype, alloc)
     if isinstance(first, _NUMBER_TYPES):
-        number_dtype = _hot.number_column_dtype(samples if type(samples) is list else list(samples))
+        column = samples if type(samples) is list else list(samples)
+        number_dtype = _hot.number_column_dtype(column)
         if number_dtype is not None:
-            out = alloc((len(samples),), number_dtype)
-            _hot.fill_numbers(samples if type(samples) is list else list(samples), out)
+            out = alloc((len(column),), number_dtype)
+            _hot.fill_numbers(column, out)
             return out
         if not all(issubclass(t, _NUMBER_TYPES) and not issubclass(t, np.ndarray)
                    for t in set(map(type, samples))):
