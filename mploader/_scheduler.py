@@ -194,7 +194,12 @@ class Scheduler:
         region = self.res.region
         if slot >= 0:
             region.assign(slot, seq)
-            self.slot_hint = (slot + 1) % region.nslots
+            # Large batches take the lowest FREE slot, so they occupy only the slots
+            # they need (about in-flight + 2; round robin would grow all
+            # auto_prefetch + 3 of them in turn); a deep queue of small batches goes
+            # round robin, which keeps a slot just released out of the way of the
+            # worker's next write (docs/design.md, "Batches in flight").
+            self.slot_hint = (slot + 1) % region.nslots if self.depth > self.engine.prefetch else 0
         self.seq = seq + 1
         task = _Task(seq, slot, worker, source[0], source[1], source[2], self.generation, source)
         try:

@@ -120,3 +120,30 @@ def test_torch_face_default_prefetch_factor_rises_for_small_batches(kw, depth):
         assert firsts == [(b * 8) % 251 for b in range(200)]
     else:
         assert sorted(firsts) == sorted((b * 8) % 251 for b in range(200))
+
+
+@pytest.mark.parametrize("torch_face", [False, True])
+def test_large_batches_use_only_the_slots_they_need(torch_face):
+    """Regression: the ring has auto_prefetch + 3 slots (35 with 2 workers) so that
+    small batches can queue deep, and the allocator used to hand them out round robin:
+    with large batches every one of the 35 slots was grown in turn (1.7 GB of memfd
+    for 38.5 MB image batches).  The allocator takes the lowest FREE slot, so large
+    batches live in the ``in_flight`` slots in flight, the one the loop holds and the
+    one it just dropped (docs/design.md, "Batches in flight")."""
+    batch_bytes = 2 << 20                   # 2 MiB: above SMALL_BATCHES_BYTES, depth stays 4
+    sampler = CountingBatches(60, 2)
+    ds = Rows(120, batch_bytes // 2)
+    if torch_face:
+        pytest.importorskip("torch")
+        from mploader.torch import DataLoader as TorchDataLoader
+
+        dl = TorchDataLoader(ds, batch_sampler=sampler, num_workers=2, persistent_workers=True)
+    else:
+        dl = mploader.DataLoader(ds, batch_sampler=sampler, num_workers=2)
+    with dl:
+        firsts = [int(b[0, 0]) for b in dl]
+        stats = dl.stats()
+    assert firsts == [(2 * b) % 251 for b in range(60)]
+    assert stats["num_slots"] == _options.AUTO_PREFETCH_PER_WORKER * 2 + 3
+    # 4 in flight + 1 held + 1 just dropped, each sized to the batch (+25 % headroom at most)
+    assert stats["shm_bytes"] <= 6 * batch_bytes * 1.25 + (1 << 20), stats
