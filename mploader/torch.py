@@ -46,6 +46,8 @@ from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, PACKED, Capturin
 __all__ = ["DataLoader", "get_worker_info", "default_collate", "default_convert"]
 
 _T_co = TypeVar("_T_co", covariant=True)
+#: Whether torch's profiler (torch.profiler / torch.autograd.profiler, emit_nvtx, emit_itt) is on.
+_profiler_enabled: Callable[[], bool] = torch._C._autograd._profiler_enabled
 #: torch >= 2.6 takes ``in_order``; with older torch the face keeps it itself.
 _TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(_TorchDataLoader.__init__).parameters
 
@@ -363,6 +365,18 @@ class _RingIter(_BaseDataLoaderIter):
         _torch_state.track_workers(loader, self._mpl_streams, self._dispatch)
         self._run = engine.run(self._dispatch.tasks(self._epoch, self._mpl_pos.pairs, self._is_iterable),
                                in_order=self._in_order)
+
+    def __next__(self) -> Any:
+        # torch's __next__ opens a record_function span around every batch, which costs
+        # ~5 µs even when no profiler listens (a third of a tiny batch's parent CPU);
+        # here the span is opened only while a profiler is enabled (docs/faces.md).
+        # IterableDatasets and the first call after exhaustion keep torch's own path
+        # (its length-mismatch warning, its _reset call).
+        if self._is_iterable or self._sampler_iter is None or _profiler_enabled():
+            return super().__next__()
+        data = self._next_data()
+        self._num_yielded += 1
+        return data
 
     def _next_data(self) -> Any:
         pos = self._mpl_pos

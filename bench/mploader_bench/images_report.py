@@ -91,11 +91,12 @@ def print_tables(report: dict, console: Any) -> None:
                 _print(console, "  ".join(f"{c:>12}" for c in row))
             _print(console, caption)
     for t in report.get("targets", []):
+        name = t.get("transport", "mploader")
         if t["metric"] == "images/s ratio":
-            what = (f"mploader {_fmt(t['measured'], '.2f', 'x')} {t['peer']} images/s "
+            what = (f"{name} {_fmt(t['measured'], '.2f', 'x')} {t['peer']} images/s "
                     f"(target >= {t['target']:g}x)")
         else:
-            what = (f"mploader {t['metric'].replace(' lower', '')} {_fmt(t['measured'], '.2f')} "
+            what = (f"{name} {t['metric'].replace(' lower', '')} {_fmt(t['measured'], '.2f')} "
                     f"vs {t['peer']} {_fmt(t['target'], '.2f')} (target: lower)")
         _print(console, f"target {t['format']}: {what}: {'met' if t['met'] else 'MISSED'}")
 
