@@ -34,6 +34,23 @@ __all__ = ["Engine", "InlineRun", "ThreadRun", "WorkerError", "Run"]
 CLOSE_GRACE_S = 0.5
 
 
+class _Pid:
+    """This process's PID, cached: ``next()`` checks it on every batch, and
+    ``os.getpid()`` is a system call (193 ns against 23 ns for the attribute, timeit;
+    end to end within this machine's noise on tiny batches).  Refreshed in a child
+    by ``os.register_at_fork`` (os.fork, multiprocessing's fork, and workers); a child
+    made by a C-level ``fork()`` that bypasses it keeps the parent's value."""
+
+    current = os.getpid()
+
+    @classmethod
+    def refresh(cls) -> None:
+        cls.current = os.getpid()
+
+
+os.register_at_fork(after_in_child=_Pid.refresh)
+
+
 class _Resources:
     """What must be released when the engine goes away, held apart from the engine so
     that ``weakref.finalize`` can release it without keeping the engine alive.
@@ -257,7 +274,7 @@ class Engine:
         return out
 
     def _check_usable(self) -> None:
-        if os.getpid() != self._owner_pid:
+        if _Pid.current != self._owner_pid:
             raise RuntimeError(f"this loader was created in process {self._owner_pid} and cannot be used in its "
                                f"forked child {os.getpid()}: create a new loader in the child")
         if self._closed or self._closing:
