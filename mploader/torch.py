@@ -20,8 +20,9 @@ torch release): ``torch.utils.data.dataloader._BaseDataLoaderIter`` (and its
 ``_reset``/``_next_data``/``_next_index`` hooks and attributes),
 ``_SingleProcessDataLoaderIter``, ``DataLoader._get_iterator``/``_auto_collation``,
 ``torch.utils.data._utils.worker._worker_info``/``WorkerInfo``,
-``torch.utils.data._utils.collate.default_collate_fn_map`` and
-``torch.utils.data._utils.pin_memory.pin_memory``.
+``torch.utils.data._utils.collate.default_collate_fn_map``,
+``torch.utils.data._utils.pin_memory.pin_memory`` and
+``torch._C._autograd._profiler_enabled`` (optional).
 """
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, PACKED, Capturin
 __all__ = ["DataLoader", "get_worker_info", "default_collate", "default_convert"]
 
 _T_co = TypeVar("_T_co", covariant=True)
-#: Whether torch's profiler (torch.profiler / torch.autograd.profiler, emit_nvtx, emit_itt) is on.
-_profiler_enabled: Callable[[], bool] = torch._C._autograd._profiler_enabled
+#: Whether torch's profiler (torch.profiler / torch.autograd.profiler, emit_nvtx, emit_itt) is
+#: on; a torch without this internal gets "always", i.e. torch's own span on every batch.
+_profiler_enabled: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
 #: torch >= 2.6 takes ``in_order``; with older torch the face keeps it itself.
 _TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(_TorchDataLoader.__init__).parameters
 
