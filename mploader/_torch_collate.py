@@ -213,6 +213,8 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
     """
     elem = batch[0]
     elem_type = type(elem)
+    if elem_type is tuple:   # the commonest sample, (image, label): torch's Sequence branch
+        return _collate_sequence(batch, alloc)
     if isinstance(elem, torch.Tensor):
         return _stack_tensors(batch, alloc)
     if isinstance(elem, np.ndarray):
@@ -269,13 +271,21 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
     if isinstance(elem, tuple) and hasattr(elem, "_fields"):  # namedtuple
         return elem_type(*(collate_into(samples, alloc) for samples in zip(*batch)))
     if isinstance(elem, collections.abc.Sequence):
-        if len(set(map(len, batch))) != 1:
-            raise RuntimeError("each element in list of batch should be of equal size")
-        columns = [collate_into(samples, alloc) for samples in zip(*batch)]
-        if isinstance(elem, tuple):
-            return columns
-        return _same_sequence(elem, columns)
+        return _collate_sequence(batch, alloc)
     raise TypeError(_ERR.format(elem_type))
+
+
+def _collate_sequence(batch: Any, alloc: Alloc) -> Any:
+    """:func:`collate_into`'s sequence branch (torch's ``collate`` for a Sequence that
+    is neither a str, a mapping nor a namedtuple): column by column; a tuple gives a
+    list, another sequence its own type where it can be rebuilt."""
+    if len(set(map(len, batch))) != 1:
+        raise RuntimeError("each element in list of batch should be of equal size")
+    columns = [collate_into(samples, alloc) for samples in zip(*batch)]
+    elem = batch[0]
+    if isinstance(elem, tuple):
+        return columns
+    return _same_sequence(elem, columns)
 
 
 def _same_sequence(like: Any, items: list) -> Any:
