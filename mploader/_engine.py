@@ -148,9 +148,12 @@ class Engine:
         False: the engine never reseeds ``random``/NumPy/torch (``worker_init`` does).
     start_method : {"fork", "spawn", "forkserver"}
         How workers start.
-    on_grow : callable ``(region) -> None`` or None
+    on_grow : callable ``(region) -> int | None`` or None
         Called in the parent after a delivered batch made the region's file larger
-        (CUDA pinning registers the new range).
+        (CUDA pinning registers the new range).  It may return how many bytes of the
+        region it has dealt with: fewer than ``region.file_bytes`` (a worker has
+        reserved a range but not yet allocated it in the file) and it is called again
+        after the next batch even if the region did not grow meanwhile.
 
     Raises
     ------
@@ -164,7 +167,7 @@ class Engine:
                  maxtasksperchild: int | None = None, num_slots: int | None = None,
                  on_slow: Callable[[int, float], None] | None = None, slow_after_s: float | None = None,
                  worker_init: Callable[[int, int], None] | None = None, reseed_per_batch: bool = True,
-                 start_method: str = "fork", on_grow: Callable[[Any], None] | None = None) -> None:
+                 start_method: str = "fork", on_grow: Callable[[Any], int | None] | None = None) -> None:
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
         if num_workers < 1:

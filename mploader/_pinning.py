@@ -9,6 +9,7 @@ batch reaches the caller.  One registration per growth, nothing per batch.
 from __future__ import annotations
 
 import ctypes
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,36 @@ def _madvise_dofork(address: int, nbytes: int) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_DOFORK)
     except (OSError, AttributeError):
+        pass
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _file_size(fd: int) -> int:
+    """The size of the region's file in bytes (``fstat``; 0 for a closed region)."""
+    try:
+        return os.fstat(fd).st_size
+    except (OSError, TypeError, ValueError):
+        return 0
+
+
+def _clear_last_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a refused registration.
+
+    The runtime keeps the error of a failed ``cudaHostRegister`` as the thread's
+    "last error", and torch checks that after every kernel launch: the user's next
+    CUDA op would raise ``CUDA error: invalid argument`` for our call (seen on an
+    H200, bench/device_check.py).  ``torch.cuda.cudart()`` has no ``cudaGetLastError``,
+    so it is called in the libcudart this process has loaded (found in
+    ``/proc/self/maps``; a statically linked runtime is not reachable: then nothing
+    is done)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libcudart" in line and "/" in line})
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, AttributeError, IndexError):
         pass
 
 
@@ -83,31 +114,48 @@ class HostPinner:
         """Start addresses of the registered ranges."""
         return list(self._ranges)
 
-    def on_grow(self, region: Any) -> None:
-        """Register ``region``'s bytes that are not registered yet (none: no-op).
+    def on_grow(self, region: Any) -> int | None:
+        """Register ``region``'s bytes that are in its file and not registered yet.
 
-        ``region`` is the engine's ``_ring.Region`` (``address``, ``file_bytes``)."""
+        ``region`` is the engine's ``_ring.Region`` (``address``, ``file_bytes``,
+        ``fd``).  Registration stops at the file's current size, not at
+        ``file_bytes``: a worker reserves a range (``file_bytes`` grows) before it
+        allocates it in the file, and the driver refuses a range that is not in the
+        file yet (cudaErrorInvalidValue, seen on an H200 with 2 workers growing
+        slots while the parent registered; bench/device_check.py).  Every batch
+        delivered so far lies below that size: its worker allocated its range before
+        publishing it.
+
+        Returns
+        -------
+        int or None
+            Bytes of the region registered from its start (the engine calls again
+            after the next batch while that is less than ``file_bytes``); None once
+            pinning has stopped (a registration failed, or :meth:`release` ran).
+        """
         if self._failed or region is None:
-            return
+            return None
         if self._region is None:
             self._region = region
-        end = region.file_bytes
+        end = min(region.file_bytes, _file_size(region.fd)) & ~(_PAGE - 1)
         start = self._registered_bytes
         if end <= start:
-            return
+            return start
         address = region.address + start
         with self._device():
             rc = self._cudart.cudaHostRegister(address, end - start, CUDA_HOST_REGISTER_PORTABLE)
         code = int(getattr(rc, "value", rc))
         if code != 0:
             self._failed = True
+            _clear_last_cuda_error()
             warnings.warn(f"pin_memory: cudaHostRegister of {end - start} bytes of the shared region failed "
                           f"(cudaError {code}); batches are returned in unpinned memory", RuntimeWarning,
                           stacklevel=2)
-            return
+            return None
         _madvise_dofork(address, end - start)
         self._ranges.append(address)
         self._registered_bytes = end
+        return end
 
     def release(self) -> None:
         """Unregister every range and let go of the region.  Idempotent."""

@@ -392,7 +392,9 @@ class Scheduler:
         if size != self.file_bytes:
             self.file_bytes = size
             if self.engine.on_grow is not None:
-                self.engine.on_grow(region)
+                covered = self.engine.on_grow(region)
+                if covered is not None and covered < size:
+                    self.file_bytes = covered  # the rest is not in the file yet: again next batch
 
     def _finish_task(self, task: _Task) -> None:
         w = task.worker

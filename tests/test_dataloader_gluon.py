@@ -511,6 +511,97 @@ def test_pin_memory_registration_failure_warns_once(monkeypatch):
     assert len(batches) == 6 and len(fake.calls) == 1
 
 
+class FileBoundCudart(FakeCudart):
+    """As the CUDA driver (seen on an H200): refuses (cudaErrorInvalidValue, 1) a range
+    that reaches past the end of the file the memory maps."""
+
+    def __init__(self):
+        super().__init__()
+        self.region = None
+        self.refused = []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.calls.append(("register", ptr, nbytes, flags))
+        if ptr + nbytes > self.region.address + os.fstat(self.region.fd).st_size:
+            self.refused.append((ptr, nbytes))
+            return 1
+        return 0
+
+
+class _Region:
+    """Stand-in for ``_ring.Region``: a memfd whose reserved span (``file_bytes``) can
+    run ahead of its size, as while a worker is between reserving and allocating."""
+
+    def __init__(self, size, file_bytes):
+        self.fd = os.memfd_create("pin-test")
+        os.ftruncate(self.fd, size)
+        self.address = 1 << 30
+        self.file_bytes = file_bytes
+
+
+def test_pinner_registers_only_what_is_in_the_file(monkeypatch):
+    page = _pinning._PAGE
+    fake = FileBoundCudart()
+    region = fake.region = _Region(2 * page, 5 * page)
+    try:
+        pinner = _pinning.HostPinner(fake, contextlib.nullcontext)
+        assert pinner.on_grow(region) == 2 * page        # stops at the file's end, not at file_bytes
+        assert pinner.on_grow(region) == 2 * page        # nothing new in the file: no call
+        os.ftruncate(region.fd, 5 * page)                # the worker allocated its range
+        assert pinner.on_grow(region) == 5 * page
+        assert fake.refused == []
+        assert [c[1:3] for c in fake.calls] == [(region.address, 2 * page), (region.address + 2 * page, 3 * page)]
+        pinner.release()
+        assert pinner.on_grow(region) is None
+    finally:
+        os.close(region.fd)
+
+
+def test_a_refused_registration_clears_the_cuda_error(monkeypatch):
+    """torch checks the runtime's last error after every kernel launch: a refused
+    registration left there would fail the user's next CUDA op (seen on an H200)."""
+    cleared = []
+    monkeypatch.setattr(_pinning, "_clear_last_cuda_error", lambda: cleared.append(True))
+    region = _Region(_pinning._PAGE, _pinning._PAGE)
+    try:
+        pinner = _pinning.HostPinner(FakeCudart(code=1), contextlib.nullcontext)
+        with pytest.warns(RuntimeWarning, match=r"cudaError 1"):
+            assert pinner.on_grow(region) is None
+        assert cleared == [True]
+    finally:
+        os.close(region.fd)
+
+
+def test_pinning_a_growing_region_never_asks_for_bytes_outside_the_file(monkeypatch):
+    """Two workers grow slots while the parent registers: every registration stays
+    inside the file (the driver refuses the rest) and every batch is registered."""
+    fake = FileBoundCudart()
+    real = _pinning.HostPinner.on_grow
+
+    def tracking(self, region):
+        fake.region = region
+        return real(self, region)
+
+    monkeypatch.setattr(_pinning, "cuda_runtime", lambda device_id: (fake, contextlib.nullcontext))
+    monkeypatch.setattr(_pinning.HostPinner, "on_grow", tracking)
+    for _ in range(3):
+        fake.calls.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            loader = mploader.DataLoader(Growing(), 2, num_workers=2, pin_memory=True, batchify_fn=bf.List())
+            try:
+                for batch in loader:
+                    region = loader._engine.region
+                    registered = sum(c[2] for c in fake.calls if c[0] == "register")
+                    for a in batch:
+                        start = a.__array_interface__["data"][0]
+                        assert region.address <= start and start + a.nbytes <= region.address + registered
+                    del batch, a
+            finally:
+                loader.close()
+        assert fake.refused == []
+
+
 @pytest.mark.parametrize("try_nopython", [None, False, True])
 def test_try_nopython_is_accepted(try_nopython):
     with mploader.DataLoader(np.arange(10), 3, num_workers=1, try_nopython=try_nopython) as loader:
