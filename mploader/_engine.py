@@ -154,6 +154,11 @@ class Engine:
         region it has dealt with: fewer than ``region.file_bytes`` (a worker has
         reserved a range but not yet allocated it in the file) and it is called again
         after the next batch even if the region did not grow meanwhile.
+    poll_held : callable ``(wait: bool) -> int`` or None
+        With a ``release_hook`` on the region (CUDA pinning keeps a released slot
+        LEASED until the GPU's copies from it are done): releases the slots that may
+        be reused now, or with ``wait=True`` waits for the oldest first; returns how
+        many.  Called before every search for a free slot.
 
     Raises
     ------
@@ -167,7 +172,8 @@ class Engine:
                  maxtasksperchild: int | None = None, num_slots: int | None = None,
                  on_slow: Callable[[int, float], None] | None = None, slow_after_s: float | None = None,
                  worker_init: Callable[[int, int], None] | None = None, reseed_per_batch: bool = True,
-                 start_method: str = "fork", on_grow: Callable[[Any], int | None] | None = None) -> None:
+                 start_method: str = "fork", on_grow: Callable[[Any], int | None] | None = None,
+                 poll_held: Callable[[bool], int] | None = None) -> None:
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
         if num_workers < 1:
@@ -194,6 +200,7 @@ class Engine:
         self.on_slow = on_slow
         self.slow_after_s = slow_after_s
         self.on_grow = on_grow
+        self.poll_held = poll_held
         self.start_method = start_method
         self.spec = WorkerSpec(dataset, fetch, seed, reseed_per_batch, worker_init, num_workers)
         self._res = _Resources()

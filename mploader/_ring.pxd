@@ -103,6 +103,7 @@ cdef class Region:
     cdef readonly long owner_pid
     cdef readonly bint closed
     cdef readonly bint attached
+    cdef public object release_hook
     cdef int _check(self, uint32_t slot) except -1
     cdef int _not_owner(self, str what, str short, str action) except -1
     cdef int _fail(self, int rc, str what, uint32_t slot=*) except -1

@@ -1,4 +1,5 @@
 """Typing stub for the Cython module mploader._ring (see _ring.pyx)."""
+from collections.abc import Callable
 from typing import NamedTuple
 
 KIND_NONE: int
@@ -54,6 +55,8 @@ class Region:
     owner_pid: int
     closed: bool
     attached: bool
+    release_hook: Callable[[int], None] | None
+    def release(self, slot: int) -> None: ...
     @property
     def nslots(self) -> int: ...
     @property

@@ -31,7 +31,8 @@ cdef class SlotLease:
     (and validated) at E3; its attributes are read-only.  Every zero-copy array of a
     batch has this object at the root of its ``base`` chain.  When the last of them
     is garbage-collected the lease is deallocated and the slot returns to FREE (edge
-    E4), in the process that created the region only.
+    E4), in the process that created the region only -- or, where the region has a
+    ``release_hook``, the hook is called with the slot and owes ``Region.release``.
     """
 
     def __cinit__(self):
@@ -50,6 +51,13 @@ cdef class SlotLease:
         _live_leases -= 1
         if (self.held and self.region is not None and self.region.r.base != NULL
                 and self.region.owner_pid == mpl_self_pid()):
+            hook = self.region.release_hook
+            if hook is not None:
+                try:
+                    hook(self.slot_)  # now owes Region.release(slot) (pinned memory: after the GPU's reads)
+                    return
+                except BaseException:  # noqa: BLE001 - never lose a slot: release it now
+                    pass
             mpl_slot_release(&self.region.r, self.slot_)
 
     def __repr__(self):

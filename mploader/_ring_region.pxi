@@ -25,6 +25,7 @@ cdef class Region:
         self.owner_pid = -1
         self.closed = True
         self.attached = False
+        self.release_hook = None
         global _live_regions
         _live_regions += 1
 
@@ -246,6 +247,25 @@ cdef class Region:
         cdef mpl_slot_meta *m = mpl_slot_meta_of(&self.r, slot)
         return SlotMeta(m.seq, m.kind, m.flags, m.used, m.desc_off, m.desc_len, m.worker_pid,
                         m.capacity, m.grow_count, m.offset)
+
+    def release(self, uint32_t slot):
+        """Edge E4 (LEASED -> FREE) for a slot whose lease handed its release to
+        ``release_hook`` (docs/design.md, "Pinned memory and asynchronous copies").
+
+        ``release_hook``: None (a lease's last reference releases its slot at once),
+        or a callable ``(slot) -> None`` that the lease calls instead, in the
+        region's creator, when its last reference goes; the callable then owes this
+        call.  Should it raise, the slot is released at once.
+
+        Raises SlotStateError if the slot is not LEASED, or in any process but the
+        region's creator.
+        """
+        self._check(slot)
+        if self.owner_pid != mpl_self_pid():
+            self._not_owner(f"release slot {slot}", "release slots", "release the parent's slots")
+        cdef int rc = mpl_slot_release(&self.r, slot)
+        if rc != MPL_OK:
+            self._fail(rc, f"release slot {slot} (needs LEASED)", slot)
 
     def reclaim(self, uint32_t slot):
         """Edge E5 (ASSIGNED or READY -> FREE) for a batch whose worker is dead.

@@ -241,7 +241,12 @@ class Scheduler:
         """A FREE slot, waiting for abandoned batches' slots when only they are busy;
         -1 (pipe fallback, warned once) when the user holds every slot."""
         region = self.res.region
+        poll = self.engine.poll_held
+        if poll is not None:
+            poll(False)  # slots whose GPU copies are done (pinned memory) are FREE again
         slot = region.find_free(self.slot_hint)
+        while slot < 0 and poll is not None and poll(True):
+            slot = region.find_free(self.slot_hint)
         while slot < 0 and any(t.slot >= 0 for t in self.stale):
             # The slots are held by batches of an abandoned iteration that are still
             # loading: they are ahead of any new task in their worker's queue, so

@@ -191,6 +191,7 @@ class DataLoader:
                 self._pinner = _pinning.HostPinner(*runtime)
             on_grow = self._pinner.on_grow if self._pinner is not None else None
             self._engine = _engine.Engine(dataset, self._fetch, on_grow=on_grow, start_method=start_method,
+                                          poll_held=self._pinner.poll if self._pinner is not None else None,
                                           **options.engine_kwargs())
             if self._pinner is not None:
                 weakref.finalize(self._engine, self._pinner.release)

@@ -185,7 +185,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 prefetch=self.prefetch_factor * self.num_workers, shared_mem=self._mpl_shared_mem,
                 timeout_s=self.timeout or None, seed=self._mpl_seed or 0, copy=self._mpl_copy,
                 worker_init=init, reseed_per_batch=self._mpl_seed is not None, start_method=start_method,
-                on_grow=pinner.on_grow if pinner is not None else None, auto_prefetch=_auto_depth(self))
+                on_grow=pinner.on_grow if pinner is not None else None, auto_prefetch=_auto_depth(self),
+                poll_held=pinner.poll if pinner is not None else None)
             if pinner is not None:
                 weakref.finalize(self._mpl_engine, pinner.release)
             self._mpl_pinned = pinner is not None

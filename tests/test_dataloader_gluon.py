@@ -21,6 +21,7 @@ from _util import arrays_in, assert_same, lease_of, mxnet_default_batchify_fn
 import mploader
 from mploader import _pinning
 from mploader import batchify as bf
+from mploader import _ring
 from mploader._ring import SlotLease
 
 pytestmark = pytest.mark.timeout(60)
@@ -600,6 +601,71 @@ def test_pinning_a_growing_region_never_asks_for_bytes_outside_the_file(monkeypa
             finally:
                 loader.close()
         assert fake.refused == []
+
+
+class FakeEvent:
+    """A CUDA event whose completion the test decides (``FakeEvent.done``)."""
+
+    done = False
+    made = 0
+
+    def __init__(self):
+        FakeEvent.made += 1
+        self.recorded = False
+
+    def record(self):
+        self.recorded = True
+
+    def query(self):
+        return FakeEvent.done
+
+    def synchronize(self):
+        FakeEvent.done = True
+
+
+def test_a_dropped_pinned_batch_keeps_its_slot_until_the_gpu_copy_is_done(monkeypatch, no_leaks):
+    """x.cuda(non_blocking=True) reads the pinned slot later, on the GPU: the slot of a
+    dropped batch is not reused before the event recorded at its release completed
+    (on an H200, 145 of 200 batches arrived with another batch's bytes without this)."""
+    monkeypatch.setattr(_pinning, "cuda_runtime", lambda device_id: (FakeCudart(), contextlib.nullcontext))
+    monkeypatch.setattr(_pinning, "_default_event", FakeEvent)
+    monkeypatch.setattr(FakeEvent, "done", False)
+    loader = mploader.DataLoader(Growing(), 4, num_workers=1, prefetch=1, pin_memory=True,
+                                 batchify_fn=bf.List())
+    try:
+        it = iter(loader)
+        first = next(it)
+        region = loader._engine.region
+        slot = lease_of(first[0]).slot
+        del first
+        gc.collect()
+        assert region.state(slot) == _ring.STATE_LEASED       # held for the GPU, not FREE
+        assert loader._pinner.held == 1
+        second = next(it)                                     # the event is not done: another slot
+        assert lease_of(second[0]).slot != slot
+        assert region.state(slot) == _ring.STATE_LEASED
+        FakeEvent.done = True
+        del second
+        rest = list(it)                                       # polled before each dispatch
+        assert len(rest) == 4
+        assert loader._pinner.held <= 2
+        del rest
+    finally:
+        loader.close()
+    assert FakeEvent.made >= 6
+
+
+def test_held_slots_are_waited_for_when_no_slot_is_free(monkeypatch, no_leaks):
+    monkeypatch.setattr(_pinning, "cuda_runtime", lambda device_id: (FakeCudart(), contextlib.nullcontext))
+    monkeypatch.setattr(_pinning, "_default_event", FakeEvent)
+    monkeypatch.setattr(FakeEvent, "done", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)   # no pipe fallback for want of a slot
+        with mploader.DataLoader(Growing(), 1, num_workers=1, prefetch=1, pin_memory=True,
+                                 batchify_fn=bf.List()) as loader:
+            got = [int(b[0][0]) for b in loader]       # each batch dropped at once
+    assert got == list(range(24))
+    assert FakeEvent.done                              # a wait happened (synchronize)
 
 
 @pytest.mark.parametrize("try_nopython", [None, False, True])
