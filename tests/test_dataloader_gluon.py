@@ -19,9 +19,8 @@ import pytest
 from _util import arrays_in, assert_same, lease_of, mxnet_default_batchify_fn
 
 import mploader
-from mploader import _pinning
+from mploader import _pinning, _ring
 from mploader import batchify as bf
-from mploader import _ring
 from mploader._ring import SlotLease
 
 pytestmark = pytest.mark.timeout(60)
