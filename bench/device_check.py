@@ -152,6 +152,14 @@ def check_race(workers: int, sleep_cycles: int) -> dict[str, Any]:
         if hasattr(loader, "close"):
             loader.close()
         out[f"{name}_wrong_batches"] = sum(a != b for a, b in zip(got, want))
+    with mploader.DataLoader(ds, batch_size=bs, num_workers=workers, pin_memory=True) as gl:
+        gpu = []
+        for x, _ in gl:   # the Gluon face: numpy batches, wrapped by the user
+            torch.cuda._sleep(sleep_cycles)
+            gpu.append(torch.from_numpy(x).cuda(non_blocking=True))
+            del x
+        torch.cuda.synchronize()
+        out["gluon_wrong_batches"] = sum(_gpu_sum(g) != b for g, b in zip(gpu, want))
     return out
 
 
