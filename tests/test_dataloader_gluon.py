@@ -447,20 +447,27 @@ class Growing:
         return np.full(64 * (1 + i), i, np.float64)
 
 
+def iterate_checking_registration(loader, fake):
+    """Iterate ``loader``, asserting that every byte each returned batch views is
+    registered by the time it is returned (workers may have grown the region further
+    for batches still in flight); returns the region."""
+    region = None
+    for batch in loader:
+        region = loader._engine.region
+        registered = sum(c[2] for c in fake.calls if c[0] == "register")
+        for a in batch:
+            start = a.__array_interface__["data"][0]
+            assert region.address <= start and start + a.nbytes <= region.address + registered
+        del batch, a
+    return region
+
+
 def test_pin_memory_registers_the_region_as_it_grows(monkeypatch):
     fake = FakeCudart()
     monkeypatch.setattr(_pinning, "cuda_runtime", lambda device_id: (fake, contextlib.nullcontext))
     loader = mploader.DataLoader(Growing(), 4, num_workers=2, pin_memory=True, batchify_fn=bf.List())
     try:
-        for batch in loader:
-            region = loader._engine.region
-            registered = sum(c[2] for c in fake.calls if c[0] == "register")
-            # every byte the returned batch views is registered by the time it is returned
-            # (workers may have grown the region further for batches still in flight)
-            for a in batch:
-                start = a.__array_interface__["data"][0]
-                assert region.address <= start and start + a.nbytes <= region.address + registered
-            del batch, a
+        region = iterate_checking_registration(loader, fake)
         starts = [c[1] for c in fake.calls]
         assert starts[0] == region.address
         assert all(c[3] == 1 for c in fake.calls)  # cudaHostRegisterPortable
@@ -590,13 +597,7 @@ def test_pinning_a_growing_region_never_asks_for_bytes_outside_the_file(monkeypa
             warnings.simplefilter("error", RuntimeWarning)
             loader = mploader.DataLoader(Growing(), 2, num_workers=2, pin_memory=True, batchify_fn=bf.List())
             try:
-                for batch in loader:
-                    region = loader._engine.region
-                    registered = sum(c[2] for c in fake.calls if c[0] == "register")
-                    for a in batch:
-                        start = a.__array_interface__["data"][0]
-                        assert region.address <= start and start + a.nbytes <= region.address + registered
-                    del batch, a
+                iterate_checking_registration(loader, fake)
             finally:
                 loader.close()
         assert fake.refused == []
