@@ -40,7 +40,7 @@ MAX_PREFETCH = MAX_SLOTS - EXTRA_SLOTS
 #: With the default ``prefetch`` (None) the engine keeps more batches in flight while
 #: batches are small: up to this many per worker, as long as they take at most
 #: SMALL_BATCHES_BYTES together (docs/design.md, "Batches in flight").
-AUTO_PREFETCH_PER_WORKER = 16
+AUTO_PREFETCH_PER_WORKER = 64
 SMALL_BATCHES_BYTES = 1 << 20
 
 _BOUNDS = {0: "a non-negative integer", 1: "a positive integer"}

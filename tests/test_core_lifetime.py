@@ -14,6 +14,7 @@ import pytest
 from _util import lease_of
 
 import mploader
+from mploader import _options
 from mploader._ring import SlotLease
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,9 +48,15 @@ def slot_of(batch):
     return lease.slot
 
 
+#: Slots of a 2-worker loader with the default prefetch (the deepest queue it keeps).
+NUM_SLOTS = _options.AUTO_PREFETCH_PER_WORKER * 2 + _options.EXTRA_SLOTS
+
+
 @pytest.fixture
 def loader():
-    with mploader.DataLoader(Counting(4000), batch_size=BATCH, num_workers=2, seed=0) as dl:
+    # Enough batches to go round every slot 6 times past the held one, and then some.
+    with mploader.DataLoader(Counting(BATCH * (8 + 7 * NUM_SLOTS)), batch_size=BATCH, num_workers=2,
+                             seed=0) as dl:
         yield dl
 
 
@@ -65,7 +72,7 @@ def test_held_batch_unchanged_and_its_slot_reused_after_drop(loader):
         held_slot = slot_of(held)
         num_slots = loader.stats()["num_slots"]
         assert num_slots >= 2
-        for j in range(k + 1, k + 1 + 10 * num_slots):
+        for j in range(k + 1, k + 1 + 3 * num_slots):
             batch = next(it)
             assert slot_of(batch) != held_slot, f"batch {j} reused the slot of held batch {k}"
             np.testing.assert_array_equal(batch[0], expected(j)[0])
@@ -114,7 +121,7 @@ def test_torch_tensor_keeps_slot_alive(loader):
     del batch
     gc.collect()
     num_slots = loader.stats()["num_slots"]
-    for j in range(1, 1 + 10 * num_slots):
+    for j in range(1, 1 + 3 * num_slots):
         assert slot_of(next(it)) != held_slot, f"batch {j} reused a slot a live tensor views"
     np.testing.assert_array_equal(tensor.numpy(), want)
     del tensor

@@ -417,11 +417,11 @@ def test_script_ending_mid_epoch_prints_only_the_users_traceback():
         warnings.simplefilter("ignore")
         loader = mploader.DataLoader(Arange(4000, width=2048), batch_size=8, num_workers=2, seed=0)
         held = []
-        for k, b in enumerate(loader):
+        for b in loader:
             held.append(b)
-            if k == 40:
-                assert loader.stats()["fallback_pipe"] > 0
+            if loader.stats()["fallback_pipe"] > 0:  # every slot is held: this batch came by pipe
                 raise ValueError("the user's own error")
+        raise AssertionError("no batch travelled by pipe")
     """, expect_rc=1)
     assert out.stderr.count("Traceback (most recent call last)") == 1, out.stderr
     assert "ValueError: the user's own error" in out.stderr

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import mploader
-from mploader import _ring
+from mploader import _options, _ring
 from mploader._options import LoaderOptions, default_seed
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaks")]
@@ -172,7 +172,8 @@ def test_options_are_frozen_and_slotted():
     assert not hasattr(options, "__dict__")
     assert options.prefetch == 4, "Gluon's default: 2 * num_workers"
     # the default may rise while batches are small (docs/design.md, "Batches in flight")
-    assert options.auto_prefetch == 32 and options.num_slots == 35
+    deepest = _options.AUTO_PREFETCH_PER_WORKER * 2
+    assert options.auto_prefetch == deepest and options.num_slots == deepest + _options.EXTRA_SLOTS
     explicit = LoaderOptions(num_workers=2, prefetch=4, seed=options.seed)
     assert explicit.auto_prefetch is None and explicit.num_slots == 7
     assert options != explicit

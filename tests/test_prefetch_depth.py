@@ -59,12 +59,14 @@ def ahead_after(loader, sampler, received: int) -> tuple[int, list]:
 
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_small_batches_get_deeper_queues_with_the_default_prefetch(num_workers):
-    batch_size, n_batches = 8, 200
+    deepest = _options.AUTO_PREFETCH_PER_WORKER * num_workers
+    # the depth rises by one batch per batch: it is at its deepest after `deepest` batches
+    batch_size, n_batches = 8, 6 * deepest
     sampler = CountingBatches(n_batches, batch_size)
     with mploader.DataLoader(Rows(batch_size * n_batches, 16), batch_sampler=sampler,
                              num_workers=num_workers) as dl:
-        ahead, firsts = ahead_after(dl, sampler, 100)
-    assert ahead == _options.AUTO_PREFETCH_PER_WORKER * num_workers
+        ahead, firsts = ahead_after(dl, sampler, 4 * deepest)
+    assert ahead == deepest
     # nothing lost, nothing reordered
     assert firsts == [(b * batch_size) % 251 for b in range(n_batches)]
 
@@ -92,36 +94,45 @@ def test_the_queue_shrinks_back_when_batches_grow():
             # batches 0..99 tiny, then 384 KiB a batch (2 samples of 192 KiB)
             return np.full(16 if i < 200 else 192 << 10, i % 251, np.uint8)
 
-    sampler = CountingBatches(160, 2)
-    with mploader.DataLoader(Growing(320, 0), batch_sampler=sampler, num_workers=2) as dl:
+    deepest = _options.AUTO_PREFETCH_PER_WORKER * 2
+    sampler = CountingBatches(100 + deepest + 28, 2)
+    with mploader.DataLoader(Growing(2 * sampler.n_batches, 0), batch_sampler=sampler, num_workers=2) as dl:
         it = iter(dl)
         ahead = 0
-        for k in range(140):
+        for k in range(100 + deepest + 8):
             next(it)
-            if k >= 132:  # the queue of small batches (up to 32) has drained by then
+            if k >= 100 + deepest:  # the queue of small batches (up to `deepest`) has drained by then
                 ahead = max(ahead, sampler.taken - k)
         rest = list(it)
     assert ahead == 4   # 2 * num_workers again: 1 MiB holds 2 such batches
     assert len(rest) == 20
 
 
-@pytest.mark.parametrize("kw, depth", [({}, 32), ({"prefetch_factor": 2}, 4), ({"in_order": False}, 4)])
+@pytest.mark.parametrize("kw, depth", [({}, None), ({"prefetch_factor": 2}, 4), ({"in_order": False}, 4)])
 def test_torch_face_default_prefetch_factor_rises_for_small_batches(kw, depth):
     """mploader.torch: with prefetch_factor left to torch's default (2), small batches
-    get up to 16 per worker in flight; an explicit prefetch_factor, and in_order=False
-    (torch's per-worker task cap), keep torch's count (docs/faces.md)."""
+    get up to AUTO_PREFETCH_PER_WORKER per worker in flight, as many as fit
+    SMALL_BATCHES_BYTES (a batch's bytes include the worker's RNG states under torch's
+    seeding); an explicit prefetch_factor, and in_order=False (torch's per-worker task
+    cap), keep torch's count (docs/faces.md)."""
     pytest.importorskip("torch")
     import mploader.torch
 
-    sampler = CountingBatches(200, 8)
-    with mploader.torch.DataLoader(Rows(1600, 16), batch_sampler=sampler, num_workers=2,
+    n_batches = 12 * _options.AUTO_PREFETCH_PER_WORKER
+    sampler = CountingBatches(n_batches, 8)
+    with mploader.torch.DataLoader(Rows(8 * n_batches, 16), batch_sampler=sampler, num_workers=2,
                                    persistent_workers=True, **kw) as dl:
-        ahead, firsts = ahead_after(dl, sampler, 100)
+        ahead, firsts = ahead_after(dl, sampler, 8 * _options.AUTO_PREFETCH_PER_WORKER)
+        meter = dl._mpl_engine._scheduler.meter
+        batch_bytes = meter.bytes / dl.stats()["batches"]
+    if depth is None:  # the documented rule, from the bytes each batch took
+        depth = min(_options.AUTO_PREFETCH_PER_WORKER * 2, int(_options.SMALL_BATCHES_BYTES // batch_bytes))
+        assert depth > 4
     assert ahead == depth
     if kw.get("in_order", True):
-        assert firsts == [(b * 8) % 251 for b in range(200)]
+        assert firsts == [(b * 8) % 251 for b in range(n_batches)]
     else:
-        assert sorted(firsts) == sorted((b * 8) % 251 for b in range(200))
+        assert sorted(firsts) == sorted((b * 8) % 251 for b in range(n_batches))
 
 
 @pytest.mark.parametrize("torch_face", [False, True])
