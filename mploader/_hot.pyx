@@ -8,7 +8,7 @@
 * :func:`defer_signals` / :func:`restore_signals`: the signal mask around the
   parent's critical sections (docs/design.md, "Faults") -- one ``pthread_sigmask``
   each, the old mask passed as a 64-bit int instead of a Python set.
-* :func:`write_all`: one framed message onto a pipe, without the GIL.
+* :func:`write_all` / :func:`write_upto`: framed records onto a pipe, without the GIL.
 """
 from libc.errno cimport EINTR, errno
 from libc.stdint cimport int64_t, uint32_t, uint64_t
@@ -215,26 +215,47 @@ def decode_task(data):
     return _decode(&view[0], view.shape[0])
 
 
+cdef int _write_loop(int fd, const char *p, Py_ssize_t n, Py_ssize_t *done) noexcept nogil:
+    """Write ``n`` bytes from ``p``, continuing writes cut short (a full pipe, a
+    signal); ``done[0]`` = bytes written.  Returns 0 or the failing write's errno."""
+    cdef ssize_t r
+    done[0] = 0
+    while done[0] < n:
+        r = c_write(fd, p + done[0], <size_t>(n - done[0]))
+        if r < 0:
+            if errno == EINTR:
+                continue
+            return errno
+        done[0] += r
+    return 0
+
+
 def write_all(int fd, bytes data):
     """Write all of ``data`` to ``fd`` (a blocking pipe), the GIL released; a write
     cut short (a full pipe, a signal) is continued.  Raises OSError (BrokenPipeError
     when the reader is gone)."""
+    cdef Py_ssize_t done
+    cdef int err
     cdef const char *p = PyBytes_AS_STRING(data)
-    cdef Py_ssize_t left = len(data)
-    cdef ssize_t r
-    cdef int err = 0
+    cdef Py_ssize_t n = len(data)
     with nogil:
-        while left > 0:
-            r = c_write(fd, p, <size_t>left)
-            if r < 0:
-                if errno == EINTR:
-                    continue
-                err = errno
-                break
-            p += r
-            left -= r
+        err = _write_loop(fd, p, n, &done)
     if err:
         raise OSError(err, os.strerror(err))
+
+
+def write_upto(int fd, bytes data):
+    """As :func:`write_all`, but a failure is returned, not raised: ``(written,
+    error)`` -- the bytes of ``data`` that reached the pipe and the errno that
+    stopped the rest (0 when all of it was written).  The scheduler writes a burst
+    of task records at once and needs to know which of them the worker was given."""
+    cdef Py_ssize_t done
+    cdef int err
+    cdef const char *p = PyBytes_AS_STRING(data)
+    cdef Py_ssize_t n = len(data)
+    with nogil:
+        err = _write_loop(fd, p, n, &done)
+    return done, err
 
 
 # ---- signal deferral (docs/design.md, "Faults") ----

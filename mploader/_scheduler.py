@@ -16,6 +16,7 @@ import collections
 import itertools
 import os
 import pickle
+import signal
 import time
 import warnings
 import weakref
@@ -29,7 +30,7 @@ from ._executors import WorkerProcess, exited, stop_workers
 from ._hot import defer_signals, restore_signals
 from ._metrics import Meter
 from ._options import SMALL_BATCHES_BYTES
-from ._protocol import PIPE_HEADER, frame_retire, frame_task, write_all
+from ._protocol import PIPE_HEADER, frame_retire, frame_task, write_upto
 from ._waiting import WaitClock, spin_for
 
 if TYPE_CHECKING:
@@ -101,6 +102,10 @@ class Scheduler:
         # are small (see _adapt_depth); a deeper queue costs fewer wake-ups per batch.
         self.depth = engine.prefetch
         self.auto_max = engine.auto_prefetch or engine.prefetch
+        # Task records buffered per worker, written by _flush with one write() each;
+        # and those that never reached a dead worker's pipe, for _resend.
+        self.pending: dict[WorkerProcess, list[tuple[_Task | None, bytes]]] = {}
+        self.unsent: dict[WorkerProcess, list[tuple[_Task | None, bytes]]] = {}
         self.stats: collections.Counter = collections.Counter()
         self.meter = Meter()         # input-pipeline metrics (_metrics; Run.__next__ times the waits)
 
@@ -128,7 +133,10 @@ class Scheduler:
             self._fail()
             raise
         finally:
-            if inflight and (inflight[0].consumed or not run.in_order):
+            if run.in_order:  # only the head is ever consumed
+                while inflight and inflight[0].consumed:
+                    inflight.popleft()
+            elif inflight:
                 for t in [t for t in inflight if t.consumed]:
                     inflight.remove(t)
 
@@ -140,9 +148,14 @@ class Scheduler:
         inside a generator would finish it) by a C-level ``extend`` (an item taken
         from the iterator is always recorded), the waits that can block (a worker
         to start, a slot held by an abandoned batch) happen with signals deliverable,
-        and the dispatch itself -- E1, the task record, the message -- runs with
-        signals deferred (docs/design.md, "Faults")."""
+        and the dispatch itself -- E1, the task, its buffered record -- runs with
+        signals deferred (docs/design.md, "Faults").  The records are written at the
+        end, one ``write()`` per worker (:meth:`_flush`); records left over by an
+        interrupted call are written first, and always before anything waits for
+        their batches."""
         engine = self.engine
+        if self.pending or self.unsent:
+            self._send_pending()
         pushback = run.pushback
         depth = self.depth
         if depth > engine.prefetch and len(run.inflight) > depth // 2:
@@ -151,47 +164,43 @@ class Scheduler:
             # queued, instead of being woken for every task (docs/design.md,
             # "Batches in flight").
             return
-        while not run.exhausted and len(run.inflight) < depth:
-            if not pushback:
-                # Signals deferred: an interrupt inside the sampler's generator would
-                # end it (a generator that raises is finished) and silently cut the epoch.
+        try:
+            while not run.exhausted and len(run.inflight) < depth:
+                if not pushback:
+                    # Signals deferred: an interrupt inside the sampler's generator would
+                    # end it (a generator that raises is finished) and silently cut the epoch.
+                    old = defer_signals()
+                    try:
+                        pushback.extend(itertools.islice(run.source, 1))
+                    finally:
+                        restore_signals(old)
+                    if not pushback:
+                        run.exhausted = True
+                        return
+                source = pushback[0]
+                worker = self._pick_worker(source[3] if len(source) > 3 else None)
+                if worker is None:
+                    return  # deliver what is there; the wait names the dead worker's batch
+                slot = self._free_slot()
                 old = defer_signals()
                 try:
-                    pushback.extend(itertools.islice(run.source, 1))
+                    self._dispatch(run, source, worker, slot)
                 finally:
                     restore_signals(old)
-                if not pushback:
-                    run.exhausted = True
-                    return
-            source = pushback[0]
-            worker = self._pick_worker(source[3] if len(source) > 3 else None)
-            if worker is None:
-                return  # deliver what is there; the wait names the dead worker's batch
-            slot = self._free_slot()
-            old = defer_signals()
-            try:
-                sent = self._dispatch(run, source, worker, slot)
-            finally:
-                restore_signals(old)
-            if not sent:
-                # Its pipe is closed: the worker is gone.  If it owed nothing it is
-                # replaced (next _pick_worker) and the task goes to the new one; if it
-                # owed batches, what it published is delivered first and the health
-                # check names the batch it was loading when the loop reaches it.
-                exited([worker], 1.0)
-                worker.reap()
-                if worker.status is None or self._owed(worker) is not None:
-                    return
-            if worker.retiring and not worker.replaced:
-                worker.replaced = True
-                self.res.workers.append(engine._start_worker(worker.wid))
+                if worker.retiring and not worker.replaced:
+                    worker.replaced = True
+                    self.res.workers.append(engine._start_worker(worker.wid))
+        finally:
+            if self.pending:
+                self._send_pending()
 
-    def _dispatch(self, run: Run, source: tuple, worker: WorkerProcess, slot: int) -> bool:
-        """Send ``source`` (the head of ``run.pushback``) to ``worker``, in ``slot`` (E1)
-        or through the pipe (slot -1); False (nothing changed) if the worker's pipe is
-        closed because it died.  Runs with signals deferred."""
+    def _dispatch(self, run: Run, source: tuple, worker: WorkerProcess, slot: int) -> None:
+        """Make ``source`` (the head of ``run.pushback``) a task of ``worker``, in
+        ``slot`` (E1) or through the pipe (slot -1), and buffer its record for
+        :meth:`_flush`.  Runs with signals deferred."""
         seq = self.seq
         region = self.res.region
+        frame = frame_task(seq, slot, source[0], source[1], source[2])  # before E1: it may raise (pickling)
         if slot >= 0:
             region.assign(slot, seq)
             # Large batches take the lowest FREE slot, so they occupy only the slots
@@ -202,13 +211,7 @@ class Scheduler:
             self.slot_hint = (slot + 1) % region.nslots if self.depth > self.engine.prefetch else 0
         self.seq = seq + 1
         task = _Task(seq, slot, worker, source[0], source[1], source[2], self.generation, source)
-        try:
-            write_all(worker.fd, frame_task(seq, slot, source[0], source[1], source[2]))
-        except OSError:
-            if slot >= 0:
-                region.reclaim(slot)
-            self.seq = seq
-            return False
+        self._buffer(worker, task, frame)
         run.inflight.append(task)
         worker.outstanding.append(task)
         run.pushback.popleft()
@@ -216,16 +219,110 @@ class Scheduler:
         limit = self.engine.maxtasksperchild
         if limit and worker.sent >= limit and not worker.retiring:
             worker.retiring = True
-            try:
-                write_all(worker.fd, frame_retire())
-            except OSError:
-                pass
+            self._buffer(worker, None, frame_retire())
+
+    def _buffer(self, worker: WorkerProcess, task: _Task | None, frame: bytes) -> None:
+        items = self.pending.get(worker)
+        if items is None:
+            self.pending[worker] = [(task, frame)]
+        else:
+            items.append((task, frame))
+
+    def _send_pending(self) -> None:
+        """Write the buffered records (:meth:`_flush`), and give the tasks that could
+        not reach a dead worker to others (:meth:`_resend`), until none is left or
+        no worker can take them now."""
+        while self.pending or self.unsent:
+            if self.pending:
+                old = defer_signals()
+                try:
+                    self._flush()
+                finally:
+                    restore_signals(old)
+            if self.unsent and not self._resend():
+                return
+
+    def _flush(self) -> None:
+        """Write each worker's buffered records with one ``write()`` (a burst of small
+        batches costs a system call per worker, not per batch).  When a worker's pipe
+        is closed (it died), the tasks whose records reached the pipe stay its own;
+        the others go to ``unsent`` for :meth:`_resend`.  Runs with signals deferred."""
+        pending, self.pending = self.pending, {}
+        for worker, items in pending.items():
+            data = items[0][1] if len(items) == 1 else b"".join([frame for _, frame in items])
+            written, err = write_upto(worker.fd, data)
+            if not err:
+                continue
+            end = 0
+            for k, (_, frame) in enumerate(items):
+                end += len(frame)
+                if end > written:
+                    self.unsent.setdefault(worker, []).extend(items[k:])
+                    break
+
+    def _resend(self) -> bool:
+        """Tasks whose records never reached their worker (its pipe closed: it died).
+        If the worker owes no batch it was given, they go to other workers, with the
+        same seq and slot (nothing was delivered for them; a replacement is started
+        for the dead worker); if it owes one, they stay with it, and the wait names
+        the batch it was loading.  False when no worker can take them now (they are
+        tried again by the next call)."""
+        region = self.res.region
+        for dead in list(self.unsent):
+            items = self.unsent[dead]
+            if not dead.reap():
+                if not exited([dead], 1.0):  # its task pipe is closed: it can never be given work
+                    try:
+                        os.kill(dead.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                dead.reap(block=True)
+            tasks = [t for t, _ in items if t is not None]
+            mine = set(map(id, tasks))
+            if any(not t.stale and id(t) not in mine and not t.published(region) for t in dead.outstanding):
+                del self.unsent[dead]
+                continue
+            old = defer_signals()
+            try:  # detached, so the dead worker owes nothing and is replaced; still in `unsent`
+                for t in tasks:
+                    if t in dead.outstanding:
+                        dead.outstanding.remove(t)
+            finally:
+                restore_signals(old)
+            while items:
+                task, frame = items[0]
+                if task is None:  # the dead worker's RETIRE
+                    items.pop(0)
+                    continue
+                worker = self._pick_worker(task.source[3] if len(task.source) > 3 else None)
+                if worker is None:
+                    return False
+                old = defer_signals()
+                try:
+                    task.worker = worker
+                    worker.outstanding.append(task)
+                    worker.sent += 1
+                    self._buffer(worker, task, frame)
+                    items.pop(0)
+                finally:
+                    restore_signals(old)
+            del self.unsent[dead]
         return True
 
     def _pick_worker(self, pinned: int | None) -> WorkerProcess | None:
         """The live, non-retiring worker with the fewest batches owed (or ``pinned``);
         None when there is none to give the task to (a dead worker whose published
         batches are still to be delivered is not replaced before they are)."""
+        if pinned is None:
+            best = None
+            for w in self.res.workers:  # the common case, without building lists
+                if w.retiring or w.status is not None:
+                    break
+                if best is None or len(w.outstanding) < len(best.outstanding):
+                    best = w
+            else:
+                if best is not None and len(self.res.workers) == self.engine.num_workers:
+                    return best
         workers = [w for w in self.res.workers if not w.retiring and w.status is None]
         if len(workers) < self.engine.num_workers:
             self.engine._ensure_workers()
@@ -245,6 +342,8 @@ class Scheduler:
         if poll is not None:
             poll(False)  # slots whose GPU copies are done (pinned memory) are FREE again
         slot = region.find_free(self.slot_hint)
+        if slot < 0 and self.pending:
+            self._send_pending()  # the batches about to be waited for must have been asked for
         while slot < 0 and poll is not None and poll(True):
             slot = region.find_free(self.slot_hint)
         while slot < 0 and any(t.slot >= 0 for t in self.stale):
@@ -469,6 +568,8 @@ class Scheduler:
     def _reap_retired(self) -> None:
         """Forget retired workers that have delivered everything and exited."""
         res = self.res
+        if not self.engine.maxtasksperchild:
+            return  # nobody retires
         for w in [w for w in res.workers if w.retiring and not w.outstanding]:
             if w.reap():
                 w.close_fds()
@@ -549,6 +650,8 @@ class Scheduler:
                 region.reclaim(slot)
         self.stale.clear()
         self.stale_pipe.clear()
+        self.pending.clear()
+        self.unsent.clear()
 
 
 _clock = time.monotonic  # the metrics' clock (CLOCK_MONOTONIC, shared with the workers)

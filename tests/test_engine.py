@@ -354,3 +354,39 @@ def test_parent_spins_only_where_a_core_is_spare(monkeypatch):
     assert _waiting.spin_for(16) == 0.0
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     assert _waiting.spin_for(1) == _waiting.SPIN_S and _waiting.spin_for(2) == 0.0
+
+
+def test_write_upto_reports_how_much_reached_the_pipe():
+    """The scheduler writes a burst of records with one write_upto and needs to know
+    which records the worker was given: all of them, none (reader gone), or the
+    bytes accepted before the reader went away."""
+    import errno
+    import socket
+    import threading
+
+    frames = b"".join(_protocol.frame_task(k, k, 0, k, [k] * 3) for k in range(4))
+    a, b = socket.socketpair()  # what multiprocessing.Pipe(duplex=True) is
+    try:
+        assert _protocol.write_upto(a.fileno(), frames) == (len(frames), 0)
+        reader = _protocol.TaskReader(b.fileno())
+        assert [reader.next()[0] for _ in range(4)] == [0, 1, 2, 3]
+        big = b"x" * (8 << 20)  # far more than the socket buffers hold
+        got = bytearray()
+
+        def read_then_close() -> None:
+            while len(got) < 1 << 16:
+                got.extend(b.recv((1 << 16) - len(got)))
+            b.close()
+
+        t = threading.Thread(target=read_then_close)
+        t.start()
+        written, err = _protocol.write_upto(a.fileno(), big)
+        t.join()
+        assert err in (errno.EPIPE, errno.ECONNRESET)
+        assert 1 << 16 <= written < len(big)
+        assert bytes(got) == big[:1 << 16]
+        assert _protocol.write_upto(a.fileno(), frames) == (0, errno.EPIPE)
+    finally:
+        a.close()
+        if b.fileno() >= 0:
+            b.close()

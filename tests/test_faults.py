@@ -447,6 +447,48 @@ def test_worker_killed_while_idle_is_replaced_and_the_epoch_is_complete():
     """)
 
 
+def test_worker_killed_after_publishing_everything_loses_no_burst():
+    """Small batches queue deep and are refilled in bursts, one write() per worker
+    (docs/design.md, "Wire protocol").  A worker killed once it published every batch
+    it was given owes nothing: the records of the next burst that could not reach its
+    pipe go to another worker with the same batch numbers and slots, and the epoch
+    is complete and in order (before the writes were buffered, a failed write
+    handed only that one task on)."""
+    run_case("""
+        import psutil
+        class Counting:
+            def __init__(self, n):
+                self.n, self.taken = n, 0
+            def __len__(self):
+                return self.n
+            def __iter__(self):
+                for b in range(self.n):
+                    self.taken += 1
+                    yield list(range(4 * b, 4 * b + 4))
+        sampler = Counting(600)
+        loader = mploader.DataLoader(Arange(2400), batch_sampler=sampler, num_workers=2, seed=0)
+        it = iter(loader)
+        got = []
+        for _ in range(300):  # the queue is at its deepest by now
+            got += firsts([next(it)])
+        deadline = time.monotonic() + 20
+        while loader.stats()["ready_batches"] < sampler.taken - 300:  # polling the loader's state
+            assert time.monotonic() < deadline, (loader.stats(), sampler.taken)
+            time.sleep(0.005)
+        victim = psutil.Process(loader.worker_pids()[0])
+        victim.kill()
+        victim.wait(10)
+        for batch in it:
+            got += firsts([batch])
+        assert got == list(range(2400)), got
+        assert victim.pid not in loader.worker_pids()
+        stats = loader.stats()
+        assert stats["batches"] == 600 and stats["errors"] == 0, stats
+        loader.close()
+        print("OK")
+    """)
+
+
 def test_module_imported_by_a_thread_at_fork_time_is_whole_in_the_workers(tmp_path):
     """A thread is inside ``import slowmod`` (its import takes 1 s) when the workers
     fork, and the dataset imports it too.  The fork waits for that import: a worker
