@@ -58,6 +58,8 @@ def _stack_into(samples: Sequence[np.ndarray], dtype: np.dtype, alloc: Alloc) ->
     if out.size == 0:
         pass
     elif shape:
+        if _hot.stream_rows(samples if type(samples) is list else list(samples), out):
+            return out  # a large batch, written with streaming stores (docs/design.md, "Collate into the slot")
         # One C call: sample i lands at out[i] (equal shapes checked by the caller).
         rows = (len(samples) * shape[0],) + shape[1:]
         np.concatenate(samples, axis=0, out=out.reshape(rows), casting="equiv")

@@ -442,3 +442,82 @@ def fill_numbers(list samples, cnp.ndarray out):
     for k in range(n):
         cnp.PyArray_ScalarAsCtype(samples[k], p + k * size)
     return True
+
+
+# ---- copying samples into the slot (mploader/_collate.py) ----
+
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <string.h>
+    #if defined(__SSE2__)
+    #include <emmintrin.h>
+    /* Copy n bytes with non-temporal (streaming) stores: the destination bypasses the
+     * caches, so a batch far larger than the cache does not evict the worker's working
+     * set to write lines nobody in this process reads again.  The caller fences. */
+    static void mpl_stream_copy(char *d, const char *s, size_t n) {
+        while (((uintptr_t)d & 15) && n) { *d++ = *s++; n--; }
+        size_t i = 0;
+        for (; i + 64 <= n; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+            _mm_stream_si128((__m128i *)(d + i), a);
+            _mm_stream_si128((__m128i *)(d + i + 16), b);
+            _mm_stream_si128((__m128i *)(d + i + 32), c);
+            _mm_stream_si128((__m128i *)(d + i + 48), e);
+        }
+        memcpy(d + i, s + i, n - i);
+    }
+    static void mpl_stream_fence(void) { _mm_sfence(); }
+    #define MPL_HAVE_STREAM 1
+    #else
+    static void mpl_stream_copy(char *d, const char *s, size_t n) { memcpy(d, s, n); }
+    static void mpl_stream_fence(void) {}
+    #define MPL_HAVE_STREAM 0
+    #endif
+    """
+    void mpl_stream_copy(char *d, const char *s, size_t n) nogil
+    void mpl_stream_fence() nogil
+    int MPL_HAVE_STREAM
+
+#: Output arrays at least this large (bytes) are written with streaming stores by
+#: :func:`stream_rows` (docs/design.md, "Collate into the slot").
+STREAM_MIN_BYTES = 4 << 20
+#: Whether this build has streaming stores (x86 SSE2); elsewhere stream_rows declines.
+HAVE_STREAM = bool(MPL_HAVE_STREAM)
+
+
+def stream_rows(list samples, cnp.ndarray out):
+    """Copy the uniform arrays ``samples`` (see :func:`uniform_arrays`) into the rows
+    of ``out`` -- sample i at ``out[i]`` -- with streaming stores, the GIL released;
+    True once done.  False, having written nothing, when this does not apply and the
+    caller copies as usual: ``out`` smaller than :data:`STREAM_MIN_BYTES`, not
+    C-contiguous or not the samples' dtype in native byte order, a sample not an
+    ndarray (subclasses count) or not C-contiguous, or no streaming stores in this
+    build."""
+    cdef Py_ssize_t n = len(samples), k
+    if not MPL_HAVE_STREAM or n == 0 or cnp.PyArray_NBYTES(out) < STREAM_MIN_BYTES:
+        return False
+    if not cnp.PyArray_IS_C_CONTIGUOUS(out) or not out.dtype.isnative:
+        return False
+    cdef Py_ssize_t row = cnp.PyArray_NBYTES(out) // n
+    cdef cnp.ndarray a
+    for k in range(n):
+        if not isinstance(samples[k], cnp.ndarray):
+            return False
+        a = <cnp.ndarray>samples[k]
+        if not cnp.PyArray_IS_C_CONTIGUOUS(a) or cnp.PyArray_NBYTES(a) != row:
+            return False
+        if <void *>cnp.PyArray_DESCR(a) != <void *>cnp.PyArray_DESCR(out) and not (
+                cnp.PyArray_EquivTypes(a.dtype, out.dtype) and a.dtype.isnative):
+            return False
+    cdef char *dst = <char *>cnp.PyArray_DATA(out)
+    cdef const char *src
+    for k in range(n):
+        src = <const char *>cnp.PyArray_DATA(<cnp.ndarray>samples[k])
+        with nogil:
+            mpl_stream_copy(dst + k * row, src, <size_t>row)
+    mpl_stream_fence()  # the stores are visible before the slot is published (E2 releases after this)
+    return True

@@ -115,3 +115,40 @@ def test_torch_face_scalar_columns_are_default_collates(name, mixed):
     got = tc.to_tensors(tc.collate_into(samples, np.empty))
     assert got.dtype == want.dtype and got.shape == want.shape
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "float32", ">i4", "<f8", "complex64"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "byte_offset"])
+def test_large_columns_batch_as_numpy_does(dtype, layout):
+    """Columns of at least STREAM_MIN_BYTES are copied with streaming stores when the
+    samples are C-contiguous and of the output's native dtype; whatever the path, the
+    batch is what np.asarray makes of the samples (an odd row length checks the
+    unaligned head and tail of each row's copy)."""
+    from mploader import _hot
+
+    n = 6
+    row = _hot.STREAM_MIN_BYTES // n + 13            # > STREAM_MIN_BYTES in all, odd
+    count = row // np.dtype(dtype).itemsize
+    rng = np.random.default_rng(3)
+    base = rng.integers(0, 255, size=n * count * np.dtype(dtype).itemsize + 8, dtype=np.uint8)
+    if layout == "byte_offset":  # each sample starts at an address that is not 16-aligned
+        samples = [base[1 + k:].view(np.uint8)[:count * np.dtype(dtype).itemsize].view(dtype) for k in range(n)]
+    elif layout == "transposed":  # Fortran order: not C-contiguous, NumPy's own copy
+        samples = [np.asfortranarray(rng.integers(0, 100, size=(count // 8, 8)).astype(dtype)) for _ in range(n)]
+    else:
+        samples = [rng.integers(0, 100, size=count).astype(dtype) for _ in range(n)]
+    check(samples)
+
+
+def test_stream_rows_declines_what_it_cannot_copy():
+    from mploader import _hot
+
+    big = _hot.STREAM_MIN_BYTES
+    samples = [np.ones(big // 4, np.uint8) for _ in range(4)]
+    assert _hot.stream_rows(samples, np.empty((4, big // 4), np.uint8)) is _hot.HAVE_STREAM
+    small = [np.ones(16, np.uint8) for _ in range(4)]
+    assert _hot.stream_rows(small, np.empty((4, 16), np.uint8)) is False          # below the threshold
+    assert _hot.stream_rows(samples, np.empty((big // 4, 4), np.uint8).T) is False  # output not C-contiguous
+    swapped = [np.ones(big // 16, ">i4") for _ in range(4)]
+    assert _hot.stream_rows(swapped, np.empty((4, big // 16), "<i4")) is False    # a byte swap is a cast
+    assert _hot.stream_rows(samples[:3] + [np.ones(big // 4 - 1, np.uint8)], np.empty((4, big // 4), np.uint8)) is False
