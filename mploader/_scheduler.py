@@ -313,16 +313,22 @@ class Scheduler:
         """The live, non-retiring worker with the fewest batches owed (or ``pinned``);
         None when there is none to give the task to (a dead worker whose published
         batches are still to be delivered is not replaced before they are)."""
-        if pinned is None:
-            best = None
-            for w in self.res.workers:  # the common case, without building lists
-                if w.retiring or w.status is not None:
-                    break
-                if best is None or len(w.outstanding) < len(best.outstanding):
-                    best = w
-            else:
-                if best is not None and len(self.res.workers) == self.engine.num_workers:
-                    return best
+        workers = self.res.workers
+        if len(workers) == self.engine.num_workers:  # the common case, without building lists
+            if pinned is None:
+                best = None
+                for w in workers:
+                    if w.retiring or w.status is not None:
+                        break
+                    if best is None or len(w.outstanding) < len(best.outstanding):
+                        best = w
+                else:
+                    if best is not None:
+                        return best
+            elif 0 <= pinned < len(workers):
+                w = workers[pinned]  # started in wid order (after a replacement maybe not: the search below)
+                if w.wid == pinned and not w.retiring and w.status is None:
+                    return w
         workers = [w for w in self.res.workers if not w.retiring and w.status is None]
         if len(workers) < self.engine.num_workers:
             self.engine._ensure_workers()
