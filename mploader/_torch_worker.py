@@ -17,6 +17,7 @@ from torch.utils.data import IterableDataset
 from torch.utils.data._utils import worker as _torch_worker
 
 from . import _rng_state
+from . import _worker as _mpl_worker
 from ._torch_collate import collate_into, convert_into, pack, stock_default_collate
 
 _MASK32 = 0xFFFFFFFF
@@ -187,18 +188,38 @@ class CapturingFetch(Fetch):
     states after the batch -- after collation, which may draw too --
     (:func:`mploader._rng_state.capture`, ``bytes``), which a checkpoint needs
     (docs/design.md, "Checkpoint state").  An exception raised by the batch carries
-    them as its ``mploader_rng`` attribute, when its type can take one."""
+    them as its ``mploader_rng`` attribute, when its type can take one.
+
+    ``rng`` is None when the states are those this worker sent with its previous
+    batch of the same run (the task's epoch): a dataset that draws no random numbers
+    then sends its ~10 KB of states once per run instead of with every batch.  The
+    parent keeps the last states it received per worker, and receives every batch of
+    a run in the worker's order; a run's first batch always carries them (a batch of
+    an abandoned run may have been dropped unseen)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sent: bytes | None = None   # the states sent with this run's previous batch
+        self._sent_epoch = -1
 
     def __call__(self, dataset: Any, indices: Any, alloc: Callable) -> tuple[int, Any, int, bytes | None]:
+        epoch = _mpl_worker.task_epoch
+        if epoch != self._sent_epoch or epoch < 0:
+            self._sent, self._sent_epoch = None, epoch
         try:
             wid, payload, kind, _ = super().__call__(dataset, indices, alloc)
         except Exception as exc:
+            self._sent = None  # whether its states reach the parent depends on the exception: send the next
             try:
                 exc.mploader_rng = _rng_state.capture()  # type: ignore[attr-defined]
             except Exception:  # noqa: BLE001 - an exception type without attributes: the state is not known
                 pass
             raise
-        return (wid, payload, kind, _rng_state.capture())
+        rng = _rng_state.capture()
+        if rng == self._sent:
+            return (wid, payload, kind, None)
+        self._sent = rng
+        return (wid, payload, kind, rng)
 
 
 #: ``_next_samples``' answer when the replica has no (full) batch left.

@@ -218,7 +218,13 @@ def _init(spec: WorkerSpec, worker_id: int) -> BatchFailure | None:
     return None
 
 
+#: The ``epoch`` field of the task this worker is loading (-1 outside a worker): a
+#: face's ``fetch`` may keep state per run (``_torch_worker.CapturingFetch``).
+task_epoch = -1
+
+
 def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFailure | None) -> None:
+    global task_epoch
     conn = boot.conn
     reader = TaskReader(conn.fileno())
     send = conn.send_bytes
@@ -235,6 +241,7 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
         if meter is not None:
             meter.start()  # busy from here to the batch's publication (docs/metrics.md)
         seq, slot, epoch, batch_index, indices = task
+        task_epoch = epoch
         if reseed:
             seed_rngs(batch_seed(base_seed, epoch, batch_index))
         writer = SlotWriter(region, slot, seq) if slot >= 0 else None

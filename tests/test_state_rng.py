@@ -66,14 +66,28 @@ class Augmented(torch.utils.data.Dataset):
         return torch.tensor([i, wid, seed]), torch.tensor(draw(i)[1:], dtype=torch.float64)
 
 
+class SometimesAugmented(Augmented):
+    """Draws for every third sample only: most batches leave a worker's RNG states as
+    its previous batch left them, and then do not carry them (a worker sends them
+    when they changed, and with the first batch of each run)."""
+
+    def __getitem__(self, i):
+        ids, values = super().__getitem__(i) if i % 3 == 0 else (None, None)
+        if ids is None:
+            info = get_worker_info()
+            ids = torch.tensor([i, info.id, info.seed] if info is not None else [i, -1, -1])
+            values = torch.zeros(3, dtype=torch.float64)
+        return ids, values
+
+
 def as_list(batch):
     """A batch as ``[[i, worker id, worker seed, random, normal, torch], ...]``."""
     return [[*ids, *values] for ids, values in zip(batch[0].tolist(), batch[1].tolist())]
 
 
-def make(workers, persistent=False, in_order=True, shuffle=True, **kw):
-    return DataLoader(Augmented(), batch_size=BATCH, shuffle=shuffle, num_workers=workers,
-                      persistent_workers=persistent, in_order=in_order,
+def make(workers, persistent=False, in_order=True, shuffle=True, dataset=None, **kw):
+    return DataLoader(dataset if dataset is not None else Augmented(), batch_size=BATCH, shuffle=shuffle,
+                      num_workers=workers, persistent_workers=persistent, in_order=in_order,
                       generator=torch.Generator().manual_seed(11), **kw)
 
 
@@ -191,6 +205,40 @@ def test_resume_at_every_position_continues_the_uninterrupted_run(workers, persi
     wrong = [p for p, state in enumerate(states)
              if resumed(lambda: make(workers, persistent), state, len(want) - p) != want[p:]]
     assert wrong == []
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_resume_when_only_some_batches_draw(persistent):
+    """Batches that draw nothing do not carry the worker's RNG states (the parent
+    keeps the last it got): a restore after any of them still continues the run."""
+    def fresh():
+        return make(2, persistent, dataset=SometimesAugmented())
+
+    with fresh() as saved:
+        states, want = run_all(saved)
+    epochs_complete(want)
+    assert [p for p, state in enumerate(states) if resumed(fresh, state, len(want) - p) != want[p:]] == []
+
+
+def test_a_checkpoint_after_an_abandoned_iterator_continues_as_the_saver_does():
+    """Persistent workers: the batches in flight when an iterator is dropped are
+    discarded unseen, and may have drawn; the next iterator's first batch from each
+    worker carries its RNG states again, so the checkpoint holds the states the
+    workers really have."""
+    def fresh():
+        return make(2, True, dataset=SometimesAugmented())
+
+    with fresh() as saved:
+        it = iter(saved)
+        next(it)
+        saved.state_dict()
+        del it                                  # abandoned with batches in flight
+        it = iter(saved)
+        got = [as_list(next(it)) for _ in range(2)]
+        state = json.loads(json.dumps(saved.state_dict()))
+        rest = [as_list(b) for b in it] + [as_list(b) for b in saved]
+    assert got and rest
+    assert resumed(fresh, state, len(rest)) == rest
 
 
 @pytest.mark.parametrize("persistent", [False, True])
