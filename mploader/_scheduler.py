@@ -144,12 +144,13 @@ class Scheduler:
         """Dispatch tasks until ``prefetch`` are in flight or the source is exhausted.
 
         Each step is split so that an interrupt (a signal handler that raises) loses
-        nothing: the source item is pulled with signals deferred (an interrupt
-        inside a generator would finish it) by a C-level ``extend`` (an item taken
-        from the iterator is always recorded), the waits that can block (a worker
-        to start, a slot held by an abandoned batch) happen with signals deliverable,
-        and the dispatch itself -- E1, the task, its buffered record -- runs with
-        signals deferred (docs/design.md, "Faults").  The records are written at the
+        nothing: the source items (as many as there is room for) are pulled with
+        signals deferred (an interrupt inside a generator would finish it) by a
+        C-level ``extend`` (an item taken from the iterator is always recorded), the
+        waits that can block (a worker to start, a slot held by an abandoned batch)
+        happen with signals deliverable, and each dispatch -- E1, the task, its
+        buffered record -- runs with signals deferred; the dispatches that need no
+        wait share one deferral (:meth:`_dispatch_ready`; docs/design.md, "Faults").  The records are written at the
         end, one ``write()`` per worker (:meth:`_flush`); records left over by an
         interrupted call are written first, and always before anything waits for
         their batches."""
@@ -171,12 +172,14 @@ class Scheduler:
                     # end it (a generator that raises is finished) and silently cut the epoch.
                     old = defer_signals()
                     try:
-                        pushback.extend(itertools.islice(run.source, 1))
+                        pushback.extend(itertools.islice(run.source, depth - len(run.inflight)))
                     finally:
                         restore_signals(old)
                     if not pushback:
                         run.exhausted = True
                         return
+                if self._dispatch_ready(run, depth):
+                    continue
                 source = pushback[0]
                 worker = self._pick_worker(source[3] if len(source) > 3 else None)
                 if worker is None:
@@ -193,6 +196,33 @@ class Scheduler:
         finally:
             if self.pending:
                 self._send_pending()
+
+    def _dispatch_ready(self, run: Run, depth: int) -> int:
+        """The common case of :meth:`_fill`: dispatch the pulled items whose worker is
+        running and for which a slot is FREE, all under one deferral of signals; the
+        number dispatched (0: the next item needs the general path -- a worker to
+        start or replace, a slot to wait for or the pipe, pinned slots to poll, a
+        worker to retire)."""
+        if self.engine.poll_held is not None or self.engine.maxtasksperchild:
+            return 0
+        pushback, inflight = run.pushback, run.inflight
+        region = self.res.region
+        n = 0
+        old = defer_signals()
+        try:
+            while pushback and len(inflight) < depth:
+                source = pushback[0]
+                worker = self._running_worker(source[3] if len(source) > 3 else None)
+                if worker is None:
+                    break
+                slot = region.find_free(self.slot_hint)
+                if slot < 0:
+                    break
+                self._dispatch(run, source, worker, slot)
+                n += 1
+        finally:
+            restore_signals(old)
+        return n
 
     def _dispatch(self, run: Run, source: tuple, worker: WorkerProcess, slot: int) -> None:
         """Make ``source`` (the head of ``run.pushback``) a task of ``worker``, in
@@ -309,26 +339,33 @@ class Scheduler:
             del self.unsent[dead]
         return True
 
+    def _running_worker(self, pinned: int | None) -> WorkerProcess | None:
+        """:meth:`_pick_worker` while every worker is running and none retires, without
+        building lists; None otherwise (the caller takes the general path)."""
+        workers = self.res.workers
+        if len(workers) != self.engine.num_workers:
+            return None
+        if pinned is None:
+            best = None
+            for w in workers:
+                if w.retiring or w.status is not None:
+                    return None
+                if best is None or len(w.outstanding) < len(best.outstanding):
+                    best = w
+            return best
+        if 0 <= pinned < len(workers):
+            w = workers[pinned]  # started in wid order (after a replacement maybe not: the general path)
+            if w.wid == pinned and not w.retiring and w.status is None:
+                return w
+        return None
+
     def _pick_worker(self, pinned: int | None) -> WorkerProcess | None:
         """The live, non-retiring worker with the fewest batches owed (or ``pinned``);
         None when there is none to give the task to (a dead worker whose published
         batches are still to be delivered is not replaced before they are)."""
-        workers = self.res.workers
-        if len(workers) == self.engine.num_workers:  # the common case, without building lists
-            if pinned is None:
-                best = None
-                for w in workers:
-                    if w.retiring or w.status is not None:
-                        break
-                    if best is None or len(w.outstanding) < len(best.outstanding):
-                        best = w
-                else:
-                    if best is not None:
-                        return best
-            elif 0 <= pinned < len(workers):
-                w = workers[pinned]  # started in wid order (after a replacement maybe not: the search below)
-                if w.wid == pinned and not w.retiring and w.status is None:
-                    return w
+        running = self._running_worker(pinned)
+        if running is not None:
+            return running
         workers = [w for w in self.res.workers if not w.retiring and w.status is None]
         if len(workers) < self.engine.num_workers:
             self.engine._ensure_workers()
