@@ -8,7 +8,8 @@
 * :func:`defer_signals` / :func:`restore_signals`: the signal mask around the
   parent's critical sections (docs/design.md, "Faults") -- one ``pthread_sigmask``
   each, the old mask passed as a 64-bit int instead of a Python set.
-* :func:`write_all` / :func:`write_upto`: framed records onto a pipe, without the GIL.
+* :func:`write_all` (a pipe, blocking) / :func:`send_upto` (a socket, never blocking):
+  framed records, without the GIL.
 """
 from libc.errno cimport EINTR, errno
 from libc.stdint cimport int64_t, uint32_t, uint64_t
@@ -39,6 +40,11 @@ cdef extern from "<signal.h>" nogil:
 cdef extern from "<unistd.h>" nogil:
     ssize_t c_write "write"(int fd, const void *buf, size_t n)
     ssize_t c_read "read"(int fd, void *buf, size_t n)
+
+cdef extern from "<sys/socket.h>" nogil:
+    ssize_t c_send "send"(int fd, const void *buf, size_t n, int flags)
+    int MSG_DONTWAIT
+    int MSG_NOSIGNAL
 
 # ---- task records (docs/design.md, "Wire protocol") ----
 
@@ -244,17 +250,28 @@ def write_all(int fd, bytes data):
         raise OSError(err, os.strerror(err))
 
 
-def write_upto(int fd, bytes data):
-    """As :func:`write_all`, but a failure is returned, not raised: ``(written,
-    error)`` -- the bytes of ``data`` that reached the pipe and the errno that
-    stopped the rest (0 when all of it was written).  The scheduler writes a burst
-    of task records at once and needs to know which of them the worker was given."""
-    cdef Py_ssize_t done
-    cdef int err
+def send_upto(int fd, bytes data):
+    """Send as much of ``data`` as the socket ``fd`` takes now, without blocking and
+    without the GIL: ``(sent, error)`` -- the bytes of ``data`` that reached the
+    socket and the errno that stopped the rest (0 when all of it was sent; EAGAIN
+    when the socket is full: the reader is behind).  The scheduler sends a burst of
+    task records to a worker with it: it needs to know which records the worker was
+    given, and it must never block on a worker that is itself blocked sending a batch
+    to the parent (docs/design.md, "Wire protocol")."""
     cdef const char *p = PyBytes_AS_STRING(data)
     cdef Py_ssize_t n = len(data)
+    cdef Py_ssize_t done = 0
+    cdef ssize_t r
+    cdef int err = 0
     with nogil:
-        err = _write_loop(fd, p, n, &done)
+        while done < n:
+            r = c_send(fd, p + done, <size_t>(n - done), MSG_DONTWAIT | MSG_NOSIGNAL)
+            if r < 0:
+                if errno == EINTR:
+                    continue
+                err = errno
+                break
+            done += r
     return done, err
 
 

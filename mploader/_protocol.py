@@ -13,7 +13,8 @@ with the RETIRE flag (and no payload) asks the worker to exit after the tasks
 before it.  The encoder (:func:`frame_task`, :func:`frame_retire`) and the decoder
 (:class:`TaskReader`, which takes every queued record with one ``read``) are C, in
 ``mploader/_hot.pyx``; the parent writes the records it has for a worker with one
-``write`` (:func:`write_upto`: a burst of small batches costs one system call per worker).
+``send`` (:func:`send_upto`, never blocking: a burst of small batches costs one system call
+per worker).
 
 Worker -> parent, on the same pipe, only what does not travel in a slot:
 
@@ -34,11 +35,11 @@ from ._hot import (
                    decode_task,
                    frame_retire,
                    frame_task,
+                   send_upto,
                    write_all,
-                   write_upto,
 )
 
 __all__ = ["PIPE_HEADER", "TASK_FRAME_BYTES", "TASK_HEADER_BYTES", "TaskReader", "decode_task", "frame_retire",
-           "frame_task", "write_all", "write_upto"]
+           "frame_task", "write_all", "send_upto"]
 
 PIPE_HEADER = struct.Struct("<qI")

@@ -13,9 +13,11 @@ waiting ``next()`` notices ``closing`` within one wait slice, POLL_S).
 from __future__ import annotations
 
 import collections
+import errno
 import itertools
 import os
 import pickle
+import select
 import signal
 import time
 import warnings
@@ -30,7 +32,7 @@ from ._executors import WorkerProcess, exited, stop_workers
 from ._hot import defer_signals, restore_signals
 from ._metrics import Meter
 from ._options import SMALL_BATCHES_BYTES
-from ._protocol import PIPE_HEADER, frame_retire, frame_task, write_upto
+from ._protocol import PIPE_HEADER, frame_retire, frame_task, send_upto
 from ._waiting import WaitClock, spin_for
 
 if TYPE_CHECKING:
@@ -259,35 +261,76 @@ class Scheduler:
             items.append((task, frame))
 
     def _send_pending(self) -> None:
-        """Write the buffered records (:meth:`_flush`), and give the tasks that could
-        not reach a dead worker to others (:meth:`_resend`), until none is left or
-        no worker can take them now."""
-        while self.pending or self.unsent:
+        """Send the buffered records (:meth:`_flush`), give the tasks that could not
+        reach a dead worker to others (:meth:`_resend`), and wait for a worker whose
+        socket is full to take the rest, until nothing is left or no worker can take
+        them now.  The waits happen with signals deliverable; while it waits, what
+        the worker sends is read (it may be blocked sending a batch through the pipe:
+        a parent blocked in a write to it would never read that, and both would wait
+        for ever)."""
+        clock: WaitClock | None = None
+        while True:
             if self.pending:
                 old = defer_signals()
                 try:
                     self._flush()
                 finally:
                     restore_signals(old)
-            if self.unsent and not self._resend():
+            if self.unsent:
+                if not self._resend():
+                    return
+                continue  # the tasks handed on are buffered: send them
+            if not self.pending:
                 return
+            clock = clock or WaitClock()
+            self._wait_writable(clock)
+
+    def _wait_writable(self, clock: WaitClock) -> None:
+        """One slice of waiting for the workers that still have records to take:
+        until a socket can take more or a worker sends something (read into its
+        mailbox at once).  Raises RuntimeError (closed) or TimeoutError, as a wait for
+        a batch does; a worker that died is found by the next send (EPIPE)."""
+        engine = self.engine
+        poller = select.poll()
+        by_fd = {}
+        for w in self.pending:
+            if w.fd >= 0:
+                poller.register(w.fd, select.POLLOUT | select.POLLIN)
+                by_fd[w.fd] = w
+        for fd, events in poller.poll(int(POLL_S * 1000)):
+            if events & select.POLLIN:
+                self._pump(by_fd[fd], 0)
+        waited_s = clock.tick(POLL_S)
+        if engine._closing:
+            raise RuntimeError("the loader was closed while sending tasks to its workers")
+        if engine.timeout_s is not None and waited_s > engine.timeout_s:
+            stuck = ", ".join(f"{w.wid} (pid {w.pid})" for w in self.pending)
+            raise TimeoutError(f"worker {stuck} took no task for more than {engine.timeout_s} s; raise "
+                               "DataLoader(timeout=...) if loading is slow")
 
     def _flush(self) -> None:
-        """Write each worker's buffered records with one ``write()`` (a burst of small
-        batches costs a system call per worker, not per batch).  When a worker's pipe
-        is closed (it died), the tasks whose records reached the pipe stay its own;
-        the others go to ``unsent`` for :meth:`_resend`.  Runs with signals deferred."""
+        """Send each worker's buffered records with one ``send()`` (a burst of small
+        batches costs a system call per worker, not per batch), never blocking.  What
+        a full socket did not take stays in ``pending`` (the tail of a record the
+        worker has begun to receive as an item without a task: that task is the
+        worker's already); when a worker's socket is closed (it died), the tasks whose
+        records reached it whole stay its own and the others go to ``unsent`` for
+        :meth:`_resend`.  Runs with signals deferred."""
         pending, self.pending = self.pending, {}
         for worker, items in pending.items():
             data = items[0][1] if len(items) == 1 else b"".join([frame for _, frame in items])
-            written, err = write_upto(worker.fd, data)
+            sent, err = send_upto(worker.fd, data)
             if not err:
                 continue
             end = 0
             for k, (_, frame) in enumerate(items):
-                end += len(frame)
-                if end > written:
-                    self.unsent.setdefault(worker, []).extend(items[k:])
+                start, end = end, end + len(frame)
+                if end > sent:
+                    if err in (errno.EAGAIN, errno.EWOULDBLOCK):
+                        rest = items[k:] if start >= sent else [(None, frame[sent - start:])] + items[k + 1:]
+                        self.pending[worker] = rest
+                    else:
+                        self.unsent.setdefault(worker, []).extend(items[k:])
                     break
 
     def _resend(self) -> bool:

@@ -489,6 +489,27 @@ def test_worker_killed_after_publishing_everything_loses_no_burst():
     """)
 
 
+def test_batches_by_pipe_beside_a_full_task_socket_do_not_deadlock():
+    """Regression: the user holds every batch, so batches travel pickled through each
+    worker's socket, while a refill of 1024-index tasks is more than the socket to the
+    worker holds.  The parent used to block in write() to a worker that was blocked
+    sending it a batch: both waited for ever.  It now sends without blocking and reads
+    what the workers send while it waits for room."""
+    run_case("""
+        warnings.simplefilter("ignore")
+        class Scalars:
+            def __len__(self):
+                return 1024 * 600
+            def __getitem__(self, i):
+                return np.float64(i)
+        with mploader.DataLoader(Scalars(), batch_size=1024, num_workers=2, seed=0, timeout=20) as loader:
+            held = list(loader)
+            assert len(held) == 600 and loader.stats()["fallback_pipe"] > 0, loader.stats()
+            assert all(float(b[0]) == 1024 * k and float(b[-1]) == 1024 * k + 1023 for k, b in enumerate(held))
+        print("OK")
+    """, timeout_s=60)
+
+
 def test_module_imported_by_a_thread_at_fork_time_is_whole_in_the_workers(tmp_path):
     """A thread is inside ``import slowmod`` (its import takes 1 s) when the workers
     fork, and the dataset imports it too.  The fork waits for that import: a worker
