@@ -44,8 +44,8 @@ class WorkerProcess:
     scheduler; everything else to this module.
     """
 
-    __slots__ = ("wid", "pid", "pidfd", "conn", "fd", "process", "status", "outstanding", "mailbox", "sent",
-                 "retiring", "replaced")
+    __slots__ = ("wid", "pid", "pidfd", "conn", "fd", "process", "status", "outstanding", "done", "mailbox",
+                 "sent", "retiring", "replaced")
 
     def __init__(self, wid: int, pid: int, conn: Any, process: Any = None) -> None:
         self.wid = wid
@@ -56,6 +56,7 @@ class WorkerProcess:
         self.process = process          # multiprocessing.Process for spawn/forkserver, else None
         self.status: ExitStatus | None = None
         self.outstanding: collections.deque = collections.deque()
+        self.done = 0                   # leading tasks of ``outstanding`` known to be published (scheduler)
         self.mailbox: dict[int, bytes] = {}
         self.sent = 0
         self.retiring = False

@@ -386,3 +386,51 @@ def test_send_upto_never_blocks_and_reports_how_much_reached_the_socket():
         a.close()
         if b.fileno() >= 0:
             b.close()
+
+
+def test_a_task_goes_to_the_worker_with_the_fewest_unpublished_tasks():
+    """Refilled one task at a time, the next task goes to the worker with the fewest
+    tasks not yet published: a worker whose batches only wait to be consumed is idle
+    (counting them as owed gave the task to the busy worker while the other slept).
+    In burst mode (a deep queue) the count of tasks owed decides."""
+    import collections
+    import types
+
+    from mploader import _ring
+    from mploader._scheduler import Scheduler
+
+    class Region:
+        def __init__(self):
+            self.states = {}
+
+        def state(self, slot):
+            return self.states[slot]
+
+    class Task:
+        def __init__(self, slot):
+            self.slot, self.box, self.via_pipe = slot, [], False
+
+        def published(self, region):
+            return region.state(self.slot) == _ring.STATE_READY
+
+    def worker(wid, slots):
+        return types.SimpleNamespace(wid=wid, retiring=False, status=None, done=0,
+                                     outstanding=collections.deque(Task(s) for s in slots))
+
+    region = Region()
+    busy, idle = worker(0, [0, 1]), worker(1, [2, 3, 4])
+    region.states.update({0: _ring.STATE_READY, 1: _ring.STATE_ASSIGNED,                 # 1 unpublished
+                          2: _ring.STATE_READY, 3: _ring.STATE_READY, 4: _ring.STATE_READY})  # all published
+    sched = Scheduler.__new__(Scheduler)
+    sched.res = types.SimpleNamespace(workers=[busy, idle], region=region)
+    sched.engine = types.SimpleNamespace(num_workers=2, prefetch=4)
+    sched.depth = 4
+    assert sched._running_worker(None) is idle
+    assert (busy.done, idle.done) == (1, 3)          # the published prefixes, cached
+    region.states[1] = _ring.STATE_READY
+    region.states[4] = _ring.STATE_ASSIGNED           # cannot happen in order; the cache holds
+    assert sched._running_worker(None) is busy        # 0 unpublished against idle's cached 0: the first
+    sched.depth = 64                                  # burst mode: the tasks owed
+    assert sched._running_worker(None) is busy        # 2 owed against 3
+    busy.outstanding.extend([Task(1), Task(1)])
+    assert sched._running_worker(None) is idle        # 4 owed against 3
