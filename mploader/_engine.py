@@ -254,6 +254,8 @@ class Engine:
                         region.reclaim(slot)
             self._scheduler.stale.clear()
             self._scheduler.stale_pipe.clear()
+            self._scheduler.pending.clear()   # records for the workers just ended
+            self._scheduler.unsent.clear()
 
     def set_seed(self, seed: int) -> None:
         """Use base seed ``seed`` from the next run on (a checkpoint's seed): running

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from mploader import _protocol
+from mploader import _protocol, _ring
 from mploader._engine import Engine
 from mploader._errors import WorkerTraceback, is_batch_error
 
@@ -287,6 +287,28 @@ def test_stop_workers_then_next_run_starts_new_ones():
         engine.close()
 
 
+def test_stop_workers_forgets_task_records_not_yet_sent():
+    """Task records an interrupted refill left buffered belong to the workers that
+    stop_workers ends: sent to the next run's workers they would have written batches
+    of the abandoned run into slots given to new tasks."""
+    engine = make()
+    try:
+        it = engine.run(tasks(12))
+        assert int(next(it)[0, 0]) == 0
+        sched = engine._scheduler
+        sched._send_pending = lambda: None      # as if interrupted before the send
+        assert int(next(it)[0, 0]) == 2         # sent by an earlier refill
+        del sched._send_pending
+        assert sched.pending, "the refill's record should still be buffered"
+        engine.stop_workers()
+        assert not sched.pending and not sched.unsent
+        assert [int(b[0, 0]) for b in engine.run(tasks(8))] == [0, 2, 4, 6, 8, 10, 12, 14]
+        region = engine.region
+        assert [region.state(s) for s in range(region.nslots)] == [_ring.STATE_FREE] * region.nslots
+    finally:
+        engine.close()
+
+
 def test_prefetch_beyond_the_ring_is_refused_at_construction():
     with pytest.raises(ValueError, match="prefetch must be at most"):
         make(prefetch=5000)
@@ -396,7 +418,6 @@ def test_a_task_goes_to_the_worker_with_the_fewest_unpublished_tasks():
     import collections
     import types
 
-    from mploader import _ring
     from mploader._scheduler import Scheduler
 
     class Region:
