@@ -380,7 +380,7 @@ class Scheduler:
                     items.pop(0)
                 finally:
                     restore_signals(old)
-            del self.unsent[dead]
+            self.unsent.pop(dead, None)  # (replace_dead may have dropped it, emptied)
         return True
 
     def _running_worker(self, pinned: int | None) -> WorkerProcess | None:
@@ -710,6 +710,14 @@ class Scheduler:
                     region.reclaim(t.slot)
             dead = set(map(id, w.outstanding))
             self.stale = [t for t in self.stale if id(t) not in dead]
+            # Its records not yet sent go with it (their slots were just reclaimed); tasks
+            # _resend already detached from it are kept, to be given to other workers.
+            self.pending.pop(w, None)
+            items = self.unsent.get(w)
+            if items is not None:
+                items[:] = [(t, f) for t, f in items if t is not None and id(t) not in dead]
+                if not items:
+                    del self.unsent[w]
             w.outstanding.clear()
             w.done = 0
             w.close_fds()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import collections
 import os
 import pickle
+import signal
 import struct
 import threading
 import time
@@ -303,6 +304,32 @@ def test_stop_workers_forgets_task_records_not_yet_sent():
         engine.stop_workers()
         assert not sched.pending and not sched.unsent
         assert [int(b[0, 0]) for b in engine.run(tasks(8))] == [0, 2, 4, 6, 8, 10, 12, 14]
+        region = engine.region
+        assert [region.state(s) for s in range(region.nslots)] == [_ring.STATE_FREE] * region.nslots
+    finally:
+        engine.close()
+
+
+def test_a_dead_workers_unsent_records_of_an_abandoned_run_are_dropped_with_it():
+    """A worker dies with records of an abandoned run still buffered for it: the next
+    run replaces it and reclaims those batches' slots, so the records must go too
+    (given to another worker they would write into slots handed to new tasks)."""
+    from mploader._executors import exited
+
+    engine = make()
+    try:
+        it = engine.run(tasks(12))
+        assert int(next(it)[0, 0]) == 0
+        sched = engine._scheduler
+        sched._send_pending = lambda: None      # as if interrupted before the send
+        assert int(next(it)[0, 0]) == 2
+        del sched._send_pending
+        (victim,) = sched.pending
+        del it                                  # abandoned: its batches in flight are stale
+        os.kill(victim.pid, signal.SIGKILL)
+        assert exited([victim], 10) == [victim]
+        assert [int(b[0, 0]) for b in engine.run(tasks(8))] == [0, 2, 4, 6, 8, 10, 12, 14]
+        assert victim.pid not in engine.worker_pids()
         region = engine.region
         assert [region.state(s) for s in range(region.nslots)] == [_ring.STATE_FREE] * region.nslots
     finally:
