@@ -129,6 +129,23 @@ def _into(t: torch.Tensor, alloc: Alloc) -> np.ndarray:
     return out
 
 
+#: What :func:`to_tensors` does with an array of a dtype: ``torch.from_numpy`` it, view
+#: a raw transit dtype as its tensor dtype, or leave it (string and object dtypes);
+#: cached per dtype (the checks cost a regular expression search per array).
+_PLAIN, _RAW, _KEEP = 0, 1, 2
+_ARRAY_KIND: dict[np.dtype, int] = {}
+
+
+def _array_kind(dtype: np.dtype) -> int:
+    if dtype.names is not None:
+        kind = _RAW if _is_raw(dtype) else _KEEP
+    else:
+        kind = _PLAIN if _STR_OBJ.search(dtype.str) is None else _KEEP
+    if len(_ARRAY_KIND) < 256:
+        _ARRAY_KIND[dtype] = kind
+    return kind
+
+
 def to_tensors(obj: Any) -> Any:
     """Parent side of :func:`collate_into` / :func:`convert_into`: every array that is
     not of a string or object dtype becomes ``torch.from_numpy`` of it (zero-copy);
@@ -137,10 +154,12 @@ def to_tensors(obj: Any) -> Any:
     unchanged."""
     t = type(obj)
     if t is np.ndarray:
-        dtype = obj.dtype
-        if dtype.names is not None:
-            return as_tensor_view(obj) if _is_raw(dtype) else obj
-        return as_tensor_view(obj) if _STR_OBJ.search(dtype.str) is None else obj
+        kind = _ARRAY_KIND.get(obj.dtype)
+        if kind is None:
+            kind = _array_kind(obj.dtype)
+        if kind == _PLAIN:
+            return torch.from_numpy(obj)
+        return as_tensor_view(obj) if kind == _RAW else obj
     if t is list:
         for i, x in enumerate(obj):
             obj[i] = to_tensors(x)
