@@ -104,8 +104,9 @@ class Scheduler:
         # are small (see _adapt_depth); a deeper queue costs fewer wake-ups per batch.
         self.depth = engine.prefetch
         self.auto_max = engine.auto_prefetch or engine.prefetch
-        # Task records buffered per worker, written by _flush with one write() each;
-        # and those that never reached a dead worker's pipe, for _resend.
+        # Task records buffered per worker, sent by _flush with one send() each (what a
+        # full socket did not take stays here); and those that never reached a dead
+        # worker's socket, for _resend.
         self.pending: dict[WorkerProcess, list[tuple[_Task | None, bytes]]] = {}
         self.unsent: dict[WorkerProcess, list[tuple[_Task | None, bytes]]] = {}
         self.stats: collections.Counter = collections.Counter()
@@ -152,10 +153,10 @@ class Scheduler:
         waits that can block (a worker to start, a slot held by an abandoned batch)
         happen with signals deliverable, and each dispatch -- E1, the task, its
         buffered record -- runs with signals deferred; the dispatches that need no
-        wait share one deferral (:meth:`_dispatch_ready`; docs/design.md, "Faults").  The records are written at the
-        end, one ``write()`` per worker (:meth:`_flush`); records left over by an
-        interrupted call are written first, and always before anything waits for
-        their batches."""
+        wait share one deferral (:meth:`_dispatch_ready`; docs/design.md, "Faults").
+        The records are sent at the end, one ``send()`` per worker
+        (:meth:`_send_pending`); records left over by an interrupted call are sent
+        first, and always before anything waits for their batches."""
         engine = self.engine
         if self.pending or self.unsent:
             self._send_pending()
@@ -254,6 +255,7 @@ class Scheduler:
             self._buffer(worker, None, frame_retire())
 
     def _buffer(self, worker: WorkerProcess, task: _Task | None, frame: bytes) -> None:
+        """Queue ``frame`` (``task``'s record; None: a RETIRE) for ``worker``."""
         items = self.pending.get(worker)
         if items is None:
             self.pending[worker] = [(task, frame)]
