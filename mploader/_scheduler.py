@@ -355,7 +355,7 @@ class Scheduler:
             tasks = [t for t, _ in items if t is not None]
             mine = set(map(id, tasks))
             if any(not t.stale and id(t) not in mine and not t.published(region) for t in dead.outstanding):
-                del self.unsent[dead]
+                self.unsent.pop(dead, None)
                 continue
             old = defer_signals()
             try:  # detached, so the dead worker owes nothing and is replaced; still in `unsent`
