@@ -572,8 +572,9 @@ class Scheduler:
             task.consumed = True
             task.box.clear()
             self.meter.bytes += nbytes
-            if self.auto_max != self.depth or self.depth != self.engine.prefetch:
-                self._adapt_depth(nbytes)
+            if self.auto_max != self.engine.prefetch and (
+                    self.depth < self.auto_max or nbytes * self.depth > SMALL_BATCHES_BYTES):
+                self._adapt_depth(nbytes)  # (else the depth is already what it would set)
         except Exception as exc:  # a worker's exception, or a corrupt descriptor: the batch is used up
             task.consumed = True
             task.box.clear()
