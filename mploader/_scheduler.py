@@ -526,6 +526,13 @@ class Scheduler:
         waited_s = clock.tick(slice_s)
         if engine._closing:
             raise RuntimeError("the loader was closed while waiting for a batch")
+        # What the live workers sent is read every slice: a worker can be blocked
+        # sending a batch through its pipe that nothing waits for yet (a batch of an
+        # abandoned run ahead of the one awaited), and would never get to the batch
+        # awaited (docs/design.md, "Wire protocol").
+        for w in self.res.workers:
+            if w.status is None:
+                self._pump(w, 0)
         self._check_health(task)
         if engine.timeout_s is not None and waited_s > engine.timeout_s:
             w = task.worker

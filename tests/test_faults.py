@@ -510,6 +510,49 @@ def test_batches_by_pipe_beside_a_full_task_socket_do_not_deadlock():
     """, timeout_s=60)
 
 
+def test_a_dropped_runs_pipe_batch_does_not_block_the_next_run():
+    """Regression: a run is dropped while its worker loads a batch that goes by pipe
+    (1 MB: more than the socket holds) and the next task, in a slot, is queued behind
+    it.  The next run finds no free slot and waits for that slot; the worker finished
+    the pipe batch and blocked sending it, and the parent, waiting on the slot, never
+    read it: both waited for ever.  Every wait slice now reads what live workers sent.
+    (The slow sample and the alarm only place the interrupt while the worker is still
+    loading; if it came too late the case says so and fails.)"""
+    run_case("""
+        warnings.simplefilter("ignore")
+        class Big:
+            def __len__(self):
+                return 64
+            def __getitem__(self, i):
+                if i == 5:
+                    time.sleep(1.0)                   # slow to load
+                return np.full(125_000, i, np.float64)   # 1 MB
+        class Interrupt(Exception):
+            pass
+        def on_alarm(signum, frame):
+            raise Interrupt()
+        loader = mploader.DataLoader(Big(), batch_size=1, num_workers=1, prefetch=2, seed=0)
+        it = iter(loader)
+        held = [next(it) for _ in range(4)]   # batches 0-3 hold 4 of the 5 slots
+        b4 = next(it)                         # task 5 went by pipe (no free slot)
+        del b4                                # its slot is free: task 6 will get it
+        signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, 0.3)
+        try:
+            next(it)                          # sends task 6 (slot), waits for task 5 (pipe, slow)
+            raise AssertionError("task 5 arrived before the interrupt: the case did not happen")
+        except Interrupt:
+            pass
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        del it                                # dropped: [task 5 by pipe, task 6 in a slot] in flight
+        gc.collect()
+        first = next(iter(loader))            # no free slot: waits for task 6, behind task 5's send
+        assert float(first[0][0]) == 0.0
+        loader.close()
+        print("OK")
+    """, timeout_s=30)
+
+
 def test_module_imported_by_a_thread_at_fork_time_is_whole_in_the_workers(tmp_path):
     """A thread is inside ``import slowmod`` (its import takes 1 s) when the workers
     fork, and the dataset imports it too.  The fork waits for that import: a worker
