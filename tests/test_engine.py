@@ -288,24 +288,36 @@ def test_stop_workers_then_next_run_starts_new_ones():
         engine.close()
 
 
+def run_leaving_a_record_unsent(engine):
+    """A run over 12 tasks after two batches, whose last refill's record is still
+    buffered, as an interrupt between the dispatch and the send leaves it."""
+    it = engine.run(tasks(12))
+    assert int(next(it)[0, 0]) == 0
+    sched = engine._scheduler
+    sched._send_pending = lambda: None      # as if interrupted before the send
+    assert int(next(it)[0, 0]) == 2         # sent by an earlier refill
+    del sched._send_pending
+    assert sched.pending, "the refill's record should still be buffered"
+    return it
+
+
+def assert_all_slots_free(engine):
+    region = engine.region
+    assert [region.state(s) for s in range(region.nslots)] == [_ring.STATE_FREE] * region.nslots
+
+
 def test_stop_workers_forgets_task_records_not_yet_sent():
     """Task records an interrupted refill left buffered belong to the workers that
     stop_workers ends: sent to the next run's workers they would have written batches
     of the abandoned run into slots given to new tasks."""
     engine = make()
     try:
-        it = engine.run(tasks(12))
-        assert int(next(it)[0, 0]) == 0
+        it = run_leaving_a_record_unsent(engine)  # noqa: F841 - the run stays current until stop_workers
         sched = engine._scheduler
-        sched._send_pending = lambda: None      # as if interrupted before the send
-        assert int(next(it)[0, 0]) == 2         # sent by an earlier refill
-        del sched._send_pending
-        assert sched.pending, "the refill's record should still be buffered"
         engine.stop_workers()
         assert not sched.pending and not sched.unsent
         assert [int(b[0, 0]) for b in engine.run(tasks(8))] == [0, 2, 4, 6, 8, 10, 12, 14]
-        region = engine.region
-        assert [region.state(s) for s in range(region.nslots)] == [_ring.STATE_FREE] * region.nslots
+        assert_all_slots_free(engine)
     finally:
         engine.close()
 
@@ -318,20 +330,14 @@ def test_a_dead_workers_unsent_records_of_an_abandoned_run_are_dropped_with_it()
 
     engine = make()
     try:
-        it = engine.run(tasks(12))
-        assert int(next(it)[0, 0]) == 0
-        sched = engine._scheduler
-        sched._send_pending = lambda: None      # as if interrupted before the send
-        assert int(next(it)[0, 0]) == 2
-        del sched._send_pending
-        (victim,) = sched.pending
+        it = run_leaving_a_record_unsent(engine)
+        (victim,) = engine._scheduler.pending
         del it                                  # abandoned: its batches in flight are stale
         os.kill(victim.pid, signal.SIGKILL)
         assert exited([victim], 10) == [victim]
         assert [int(b[0, 0]) for b in engine.run(tasks(8))] == [0, 2, 4, 6, 8, 10, 12, 14]
         assert victim.pid not in engine.worker_pids()
-        region = engine.region
-        assert [region.state(s) for s in range(region.nslots)] == [_ring.STATE_FREE] * region.nslots
+        assert_all_slots_free(engine)
     finally:
         engine.close()
 
