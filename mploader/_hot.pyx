@@ -221,13 +221,18 @@ def decode_task(data):
     return _decode(&view[0], view.shape[0])
 
 
-cdef int _write_loop(int fd, const char *p, Py_ssize_t n, Py_ssize_t *done) noexcept nogil:
+cdef int _write_loop(int fd, const char *p, Py_ssize_t n, Py_ssize_t *done, bint nonblocking) noexcept nogil:
     """Write ``n`` bytes from ``p``, continuing writes cut short (a full pipe, a
-    signal); ``done[0]`` = bytes written.  Returns 0 or the failing write's errno."""
+    signal); ``done[0]`` = bytes written.  Returns 0 or the failing call's errno.
+    ``nonblocking``: ``send(MSG_DONTWAIT)`` on a socket (EAGAIN once it is full)
+    instead of a blocking ``write``."""
     cdef ssize_t r
     done[0] = 0
     while done[0] < n:
-        r = c_write(fd, p + done[0], <size_t>(n - done[0]))
+        if nonblocking:
+            r = c_send(fd, p + done[0], <size_t>(n - done[0]), MSG_DONTWAIT | MSG_NOSIGNAL)
+        else:
+            r = c_write(fd, p + done[0], <size_t>(n - done[0]))
         if r < 0:
             if errno == EINTR:
                 continue
@@ -245,7 +250,7 @@ def write_all(int fd, bytes data):
     cdef const char *p = PyBytes_AS_STRING(data)
     cdef Py_ssize_t n = len(data)
     with nogil:
-        err = _write_loop(fd, p, n, &done)
+        err = _write_loop(fd, p, n, &done, False)
     if err:
         raise OSError(err, os.strerror(err))
 
@@ -260,18 +265,10 @@ def send_upto(int fd, bytes data):
     to the parent (docs/design.md, "Wire protocol")."""
     cdef const char *p = PyBytes_AS_STRING(data)
     cdef Py_ssize_t n = len(data)
-    cdef Py_ssize_t done = 0
-    cdef ssize_t r
-    cdef int err = 0
+    cdef Py_ssize_t done
+    cdef int err
     with nogil:
-        while done < n:
-            r = c_send(fd, p + done, <size_t>(n - done), MSG_DONTWAIT | MSG_NOSIGNAL)
-            if r < 0:
-                if errno == EINTR:
-                    continue
-                err = errno
-                break
-            done += r
+        err = _write_loop(fd, p, n, &done, True)
     return done, err
 
 
