@@ -58,9 +58,9 @@ def _stack_into(samples: Sequence[np.ndarray], dtype: np.dtype, alloc: Alloc) ->
     if out.size == 0:
         pass
     elif shape:
-        if _hot.stream_rows(samples if type(samples) is list else list(samples), out):
-            return out  # a large batch, written with streaming stores (docs/design.md, "Collate into the slot")
-        # One C call: sample i lands at out[i] (equal shapes checked by the caller).
+        if _hot.copy_rows(samples if type(samples) is list else list(samples), out):
+            return out  # sample i at out[i], memcpy or streaming stores (docs/design.md, "Collate into the slot")
+        # Byte-swapped or non-contiguous samples: NumPy's copy (equal shapes checked by the caller).
         rows = (len(samples) * shape[0],) + shape[1:]
         np.concatenate(samples, axis=0, out=out.reshape(rows), casting="equiv")
     else:

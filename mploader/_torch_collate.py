@@ -250,9 +250,9 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
                 torch.as_tensor(elem)
             out = alloc((len(batch),) + shape, dtype)
             if out.size:
-                if shape and _hot.stream_rows(batch if type(batch) is list else list(batch), out):
-                    pass  # a large batch, streaming stores (docs/design.md, "Collate into the slot")
-                elif shape:  # one C call: sample i lands at out[i]
+                if shape and _hot.copy_rows(batch if type(batch) is list else list(batch), out):
+                    pass  # sample i at out[i]: memcpy or streaming stores (docs/design.md, "Collate into the slot")
+                elif shape:  # non-contiguous samples: NumPy's copy
                     np.concatenate(batch, axis=0, out=out.reshape((len(batch) * shape[0],) + shape[1:]),
                                    casting="no")
                 else:

@@ -119,15 +119,17 @@ def test_torch_face_scalar_columns_are_default_collates(name, mixed):
 
 @pytest.mark.parametrize("dtype", ["uint8", "float32", ">i4", "<f8", "complex64"])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "byte_offset"])
-def test_large_columns_batch_as_numpy_does(dtype, layout):
-    """Columns of at least STREAM_MIN_BYTES are copied with streaming stores when the
-    samples are C-contiguous and of the output's native dtype; whatever the path, the
-    batch is what np.asarray makes of the samples (an odd row length checks the
-    unaligned head and tail of each row's copy)."""
+@pytest.mark.parametrize("size", ["small", "large"])
+def test_columns_batch_as_numpy_does(dtype, layout, size):
+    """Columns are copied row by row in C (``_hot.copy_rows``: memcpy, or streaming
+    stores from STREAM_MIN_BYTES on) when the samples are C-contiguous and of the
+    output's native dtype; whatever the path, the batch is what np.asarray makes of
+    the samples (an odd row length checks the unaligned head and tail of each row's
+    copy)."""
     from mploader import _hot
 
     n = 6
-    row = _hot.STREAM_MIN_BYTES // n + 13            # > STREAM_MIN_BYTES in all, odd
+    row = _hot.STREAM_MIN_BYTES // n + 13 if size == "large" else 8 * 37 + 13  # odd
     count = row // np.dtype(dtype).itemsize
     rng = np.random.default_rng(3)
     base = rng.integers(0, 255, size=n * count * np.dtype(dtype).itemsize + 8, dtype=np.uint8)
@@ -140,15 +142,22 @@ def test_large_columns_batch_as_numpy_does(dtype, layout):
     check(samples)
 
 
-def test_stream_rows_declines_what_it_cannot_copy():
+def test_copy_rows_copies_uniform_rows_and_declines_what_it_cannot_copy():
     from mploader import _hot
 
     big = _hot.STREAM_MIN_BYTES
-    samples = [np.ones(big // 4, np.uint8) for _ in range(4)]
-    assert _hot.stream_rows(samples, np.empty((4, big // 4), np.uint8)) is _hot.HAVE_STREAM
-    small = [np.ones(16, np.uint8) for _ in range(4)]
-    assert _hot.stream_rows(small, np.empty((4, 16), np.uint8)) is False          # below the threshold
-    assert _hot.stream_rows(samples, np.empty((big // 4, 4), np.uint8).T) is False  # output not C-contiguous
+    samples = [np.full(big // 4, k, np.uint8) for k in range(4)]
+    out = np.empty((4, big // 4), np.uint8)
+    assert _hot.copy_rows(samples, out) is True                                 # streaming stores
+    np.testing.assert_array_equal(out, np.stack(samples))
+    small = [np.arange(k, k + 16, dtype=np.float32) for k in range(32)]
+    out = np.empty((32, 16), np.float32)
+    assert _hot.copy_rows(small, out) is True                                   # memcpy below the threshold
+    np.testing.assert_array_equal(out, np.stack(small))
+    assert _hot.copy_rows(samples, np.empty((big // 4, 4), np.uint8).T) is False  # output not C-contiguous
     swapped = [np.ones(big // 16, ">i4") for _ in range(4)]
-    assert _hot.stream_rows(swapped, np.empty((4, big // 16), "<i4")) is False    # a byte swap is a cast
-    assert _hot.stream_rows(samples[:3] + [np.ones(big // 4 - 1, np.uint8)], np.empty((4, big // 4), np.uint8)) is False
+    assert _hot.copy_rows(swapped, np.empty((4, big // 16), "<i4")) is False    # a byte swap is a cast
+    assert _hot.copy_rows(samples[:3] + [np.ones(big // 4 - 1, np.uint8)], np.empty((4, big // 4), np.uint8)) is False
+    assert _hot.copy_rows([s[::2] for s in small], np.empty((32, 8), np.float32)) is False  # samples not contiguous
+    assert _hot.copy_rows(small, np.empty((32, 16), np.float64)) is False       # another dtype: a cast
+    assert _hot.copy_rows([], np.empty((0, 16), np.float32)) is False
