@@ -97,7 +97,7 @@ class SlotWriter:
     or shrunk when it holds far more than the typical batch (after an outlier).
     """
 
-    __slots__ = ("base", "capacity", "flags", "handed", "mv", "region", "sizing", "slot", "used")
+    __slots__ = ("base", "capacity", "described", "flags", "handed", "mv", "region", "sizing", "slot", "used")
 
     def __init__(self, region: _ring.Region, slot: int, seq: int) -> None:
         self.region = region
@@ -105,6 +105,8 @@ class SlotWriter:
         self.flags = 0
         self.used = 0
         self.handed: dict[int, tuple] = {}  # id(array from alloc) -> (array, offset)
+        #: (desc_off, desc_len, encoder flags) once ``finish`` published a KIND_SLOT batch
+        self.described: tuple[int, int, int] | None = None
         capacity = region.begin(slot, seq)
         self.sizing = sizing = sizing_for(region)
         target = sizing.target_bytes()
@@ -180,7 +182,15 @@ class SlotWriter:
             p += n
         self.region.publish(self.slot, kind, self.flags | enc.flags, total, desc_off, desc_len)
         self.sizing.note(total)
+        if kind == _ring.KIND_SLOT:
+            self.described = (desc_off, desc_len, enc.flags)
         return None
+
+    def publish_plan(self, plan: Any) -> None:
+        """Publish the batch that ``plan`` (a :class:`mploader._hot.BatchPlan`) has just
+        written into this slot with ``plan.fill``."""
+        self.region.publish(self.slot, _ring.KIND_SLOT, self.flags, plan.total, plan.desc_off, len(plan.descriptor))
+        self.sizing.note(plan.total)
 
 
 #: Worker cache: structure signature -> its encoding.

@@ -25,3 +25,15 @@ def copy_rows(samples: list[Any], out: Any) -> bool: ...
 
 STREAM_MIN_BYTES: int
 HAVE_STREAM: bool
+
+PLAN_KINDS: dict[str, int]
+PLAN_DIMS: int
+
+class BatchPlan:
+    batch_size: int
+    desc_off: int
+    total: int
+    descriptor: bytes
+    def __init__(self, batch_size: int, in_tuple: bool, fields: list[tuple], descriptor: bytes,
+                 desc_off: int) -> None: ...
+    def fill(self, samples: list[Any], base: int, capacity: int) -> bool: ...

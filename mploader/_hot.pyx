@@ -546,3 +546,185 @@ def copy_rows(list samples, cnp.ndarray out):
             mpl_stream_copy(dst + k * row, src, <size_t>row)
     mpl_stream_fence()  # the stores are visible before the slot is published (E2 releases after this)
     return True
+
+
+# ---- batch plans: one structure's collation, verified and written in one call ----
+
+from cpython.object cimport PyObject, PyTypeObject, Py_TYPE
+from cpython.tuple cimport PyTuple_GET_SIZE
+from cpython.exc cimport PyErr_Occurred, PyErr_Clear
+from libc.stdlib cimport malloc, free
+
+cdef extern from "Python.h":
+    PyObject *PyTuple_GET_ITEM_raw "PyTuple_GET_ITEM" (object t, Py_ssize_t i)
+    PyObject *PyList_GET_ITEM_raw "PyList_GET_ITEM" (object l, Py_ssize_t i)
+    long long PyLong_AsLongLong_raw "PyLong_AsLongLong" (PyObject *o)
+    double PyFloat_AS_DOUBLE_raw "PyFloat_AS_DOUBLE" (PyObject *o)
+    PyObject *Py_True_raw "Py_True"
+    PyTypeObject PyTuple_Type
+
+cdef extern from "numpy/arrayobject.h":
+    bint PyArray_EquivTypes_raw "PyArray_EquivTypes" (cnp.PyArray_Descr *a, cnp.PyArray_Descr *b)
+
+cdef enum:
+    PLAN_ARRAY = 0     # an ndarray of one dtype and shape -> its bytes, row i at offset + i * row
+    PLAN_INT = 1       # a Python int within int64 -> int64
+    PLAN_FLOAT = 2     # a Python float -> float64
+    PLAN_BOOL = 3      # a Python bool -> bool (1 byte)
+    PLAN_SCALAR = 4    # a NumPy scalar of one type -> its dtype's bytes
+    PLAN_MAX_DIMS = 8
+
+#: Field kinds of :class:`BatchPlan` (``fields`` entries' first item).
+PLAN_KINDS = {"array": PLAN_ARRAY, "int": PLAN_INT, "float": PLAN_FLOAT, "bool": PLAN_BOOL,
+              "scalar": PLAN_SCALAR}
+#: The most dimensions an array field of a plan may have.
+PLAN_DIMS = PLAN_MAX_DIMS
+
+cdef struct plan_field:
+    int kind
+    PyTypeObject *type          # every sample's leaf is exactly of this type
+    cnp.PyArray_Descr *descr    # ARRAY: the leaves' dtype
+    int nd                      # ARRAY: their ndim and shape
+    cnp.npy_intp dims[PLAN_MAX_DIMS]
+    Py_ssize_t row              # bytes one sample's leaf takes in the column
+    Py_ssize_t offset           # the column's offset in the slot payload
+    bint stream                 # ARRAY: the column is written with streaming stores
+
+
+cdef class BatchPlan:
+    """How batches of one structure and batch size are collated and described: where
+    each field's column lies in the slot payload and the descriptor bytes that the
+    generic path (collate through ``alloc``, then ``SlotWriter.finish``) wrote for
+    such a batch -- the same bytes for every batch that matches (docs/design.md,
+    "Batch plans").
+
+    Parameters
+    ----------
+    batch_size : int
+        Samples per batch (B).
+    in_tuple : bool
+        Samples are ``tuple`` (exactly) of ``len(fields)`` leaves; else each sample
+        is the one leaf.
+    fields : list of tuple
+        Per leaf: ``(kind, leaf_type, dtype, shape, row, offset)`` -- kind one of
+        :data:`PLAN_KINDS`' values, the leaves' exact type, their dtype (ARRAY) or
+        None, their shape (ARRAY) or ``()``, the bytes one leaf takes in the column,
+        and the column's offset in the payload.
+    descriptor : bytes
+        The descriptor bytes, written at ``desc_off``.
+    desc_off : int
+        Offset of the descriptor in the payload; ``desc_off + len(descriptor)`` is
+        the payload's used bytes (``total``).
+
+    Raises ValueError for a field that does not fit before ``desc_off`` or an
+    array field with more than :data:`PLAN_DIMS` dimensions.
+    """
+
+    cdef readonly Py_ssize_t batch_size, desc_off, total
+    cdef readonly bytes descriptor
+    cdef bint in_tuple
+    cdef Py_ssize_t nfields
+    cdef plan_field *f
+    cdef list keep        # the types and dtypes the fields point to, kept alive
+    cdef bint any_stream
+
+    def __cinit__(self, Py_ssize_t batch_size, bint in_tuple, list fields, bytes descriptor, Py_ssize_t desc_off):
+        cdef Py_ssize_t j, d
+        cdef plan_field *p
+        self.f = NULL
+        if batch_size <= 0 or not fields or desc_off < 0:
+            raise ValueError("BatchPlan: batch_size and fields must not be empty, desc_off >= 0")
+        self.batch_size, self.in_tuple, self.nfields = batch_size, in_tuple, len(fields)
+        if not in_tuple and self.nfields != 1:
+            raise ValueError("BatchPlan: a plan without tuples has one field")
+        self.descriptor, self.desc_off = descriptor, desc_off
+        self.total = desc_off + len(descriptor)
+        self.keep = []
+        self.f = <plan_field *>malloc(self.nfields * sizeof(plan_field))
+        if self.f == NULL:
+            raise MemoryError()
+        self.any_stream = False
+        for j in range(self.nfields):
+            kind, leaf_type, dtype, shape, row, offset = fields[j]
+            p = &self.f[j]
+            p.kind, p.row, p.offset = kind, row, offset
+            if not isinstance(leaf_type, type) or kind not in PLAN_KINDS.values():
+                raise ValueError(f"BatchPlan: field {j} has no kind or type")
+            if row < 0 or offset < 0 or offset + row * batch_size > desc_off:
+                raise ValueError(f"BatchPlan: field {j}'s column [{offset}, {offset + row * batch_size}) "
+                                 f"does not lie before the descriptor at {desc_off}")
+            self.keep.append(leaf_type)
+            p.type = <PyTypeObject *>leaf_type
+            p.descr, p.nd, p.stream = NULL, 0, False
+            if kind == PLAN_ARRAY:
+                dtype = np.dtype(dtype)
+                if len(shape) > PLAN_MAX_DIMS:
+                    raise ValueError(f"BatchPlan: field {j} has more than {PLAN_MAX_DIMS} dimensions")
+                self.keep.append(dtype)
+                p.descr = <cnp.PyArray_Descr *>dtype
+                p.nd = len(shape)
+                for d in range(p.nd):
+                    p.dims[d] = shape[d]
+                p.stream = MPL_HAVE_STREAM and row * batch_size >= STREAM_MIN_BYTES
+                self.any_stream |= p.stream
+
+    def __dealloc__(self):
+        free(self.f)
+
+    def fill(self, list samples, Py_ssize_t base, Py_ssize_t capacity):
+        """Write ``samples`` and the descriptor into the payload at address ``base``
+        (``capacity`` bytes); True once done.  False -- the caller collates as usual,
+        into the same slot -- when the batch is not of this plan: another batch
+        size, ``capacity`` below :attr:`total`, a sample not a tuple of the plan's
+        length, a leaf not of its field's exact type, dtype, shape (and C-contiguous),
+        or an int beyond int64.  Bytes already written are then garbage that the
+        usual path overwrites."""
+        cdef Py_ssize_t n = len(samples), i, j, d
+        cdef PyObject *s
+        cdef PyObject *leaf
+        cdef plan_field *p
+        cdef char *dst
+        cdef long long v
+        if n != self.batch_size or capacity < self.total or base == 0:
+            return False
+        for i in range(n):
+            s = PyList_GET_ITEM_raw(samples, i)
+            if self.in_tuple and (<PyTypeObject *>Py_TYPE(<object>s) != &PyTuple_Type
+                                  or PyTuple_GET_SIZE(<object>s) != self.nfields):
+                return False
+            for j in range(self.nfields):
+                p = &self.f[j]
+                leaf = PyTuple_GET_ITEM_raw(<object>s, j) if self.in_tuple else s
+                if <PyTypeObject *>Py_TYPE(<object>leaf) != p.type:
+                    return False
+                dst = <char *>base + p.offset + i * p.row
+                if p.kind == PLAN_ARRAY:
+                    if cnp.PyArray_NDIM(<cnp.ndarray>leaf) != p.nd or not cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>leaf):
+                        return False
+                    for d in range(p.nd):
+                        if cnp.PyArray_DIMS(<cnp.ndarray>leaf)[d] != p.dims[d]:
+                            return False
+                    if cnp.PyArray_DESCR(<cnp.ndarray>leaf) != p.descr and not PyArray_EquivTypes_raw(
+                            cnp.PyArray_DESCR(<cnp.ndarray>leaf), p.descr):
+                        return False
+                    if p.stream:
+                        with nogil:
+                            mpl_stream_copy(dst, <const char *>cnp.PyArray_DATA(<cnp.ndarray>leaf), <size_t>p.row)
+                    else:
+                        memcpy(dst, cnp.PyArray_DATA(<cnp.ndarray>leaf), <size_t>p.row)
+                elif p.kind == PLAN_INT:
+                    v = PyLong_AsLongLong_raw(leaf)
+                    if v == -1 and PyErr_Occurred() != NULL:
+                        PyErr_Clear()  # beyond int64: NumPy would choose another dtype
+                        return False
+                    (<int64_t *>dst)[0] = v
+                elif p.kind == PLAN_FLOAT:
+                    (<double *>dst)[0] = PyFloat_AS_DOUBLE_raw(leaf)
+                elif p.kind == PLAN_BOOL:
+                    dst[0] = 1 if leaf == Py_True_raw else 0
+                else:
+                    cnp.PyArray_ScalarAsCtype(<object>leaf, dst)
+        memcpy(<char *>base + self.desc_off, PyBytes_AS_STRING(self.descriptor), len(self.descriptor))
+        if self.any_stream:
+            mpl_stream_fence()  # the streaming stores are visible before the slot is published
+        return True

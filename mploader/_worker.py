@@ -26,6 +26,7 @@ from . import _hot, _ring
 from ._descriptor import SlotWriter
 from ._errors import BatchFailure
 from ._metrics import WorkerBusy
+from ._plan import PUBLISHED
 from ._protocol import PIPE_HEADER, TaskReader
 
 _MASK64 = (1 << 64) - 1
@@ -231,6 +232,8 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
     dataset, fetch, base_seed, reseed = spec.dataset, spec.fetch, spec.seed, spec.reseed_per_batch
     wid = boot.worker_id
     meter = WorkerBusy(boot.busy) if boot.busy is not None else None
+    make_planner = getattr(fetch, "make_planner", None)  # batch plans (mploader._plan)
+    planner = make_planner() if make_planner is not None else None
     while True:
         try:
             task = reader.next()
@@ -252,7 +255,10 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
             kind = _ring.KIND_ERROR
         else:
             try:
-                batch = fetch(dataset, indices, alloc)
+                if planner is not None and writer is not None:
+                    batch = fetch.planned(dataset, indices, writer, planner)  # type: ignore[attr-defined]
+                else:
+                    batch = fetch(dataset, indices, alloc)
                 kind = _ring.KIND_SLOT
             except SystemExit:
                 raise
@@ -260,14 +266,24 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
                 batch = BatchFailure.capture(exc, seq, indices, wid)
                 kind = _ring.KIND_ERROR
                 del exc
-        try:
-            _deliver(send, writer, seq, kind, batch)
-        except (pickle.PicklingError, TypeError, AttributeError, ValueError, struct.error) as exc:
-            # The batch cannot be serialised (a lambda, a generator, ...): report
-            # that to the parent as this batch's error instead of dying.
-            failure = BatchFailure.capture(exc, seq, indices, wid,
-                                           stage="serialising (the batch could not be serialised)")
-            _deliver(send, writer, seq, _ring.KIND_ERROR, failure)
+                if planner is not None:
+                    planner.forget()
+        if batch is not PUBLISHED:  # (else a plan wrote and published it: mploader._plan)
+            try:
+                _deliver(send, writer, seq, kind, batch)
+            except (pickle.PicklingError, TypeError, AttributeError, ValueError, struct.error) as exc:
+                # The batch cannot be serialised (a lambda, a generator, ...): report
+                # that to the parent as this batch's error instead of dying.
+                failure = BatchFailure.capture(exc, seq, indices, wid,
+                                               stage="serialising (the batch could not be serialised)")
+                _deliver(send, writer, seq, _ring.KIND_ERROR, failure)
+                if planner is not None:
+                    planner.forget()
+            if planner is not None and planner.pending is not None:
+                if writer is not None and writer.described is not None:
+                    planner.learn(writer)
+                else:
+                    planner.forget()
         if meter is not None:
             meter.stop()
         del batch, writer, alloc, task, indices

@@ -11,6 +11,7 @@ from ._collate import Alloc, collate_gluon
 from ._errors import is_batch_error
 from ._executors import START_METHODS
 from ._options import LoaderOptions, check_callable, check_choice, check_dataset, check_int
+from ._plan import PUBLISHED, Planner
 from .batchify import collate
 from .sampler import BatchSampler, RandomSampler, SequentialSampler
 
@@ -38,6 +39,21 @@ class BatchifyFetch:
 
     def __call__(self, dataset: Any, indices: Sequence[Any], alloc: Alloc) -> Any:
         return self.collate([dataset[i] for i in indices], alloc)
+
+    def make_planner(self) -> Planner | None:
+        """A worker's :class:`~mploader._plan.Planner` for the default rule; None for a
+        ``batchify_fn``."""
+        return Planner() if self.batchify_fn is None else None
+
+    def planned(self, dataset: Any, indices: Sequence[Any], writer: Any, planner: Planner) -> Any:
+        """As ``__call__`` into ``writer``'s slot, by ``planner``'s plan when the batch
+        matches one (then already published: returns :data:`~mploader._plan.PUBLISHED`)."""
+        samples = [dataset[i] for i in indices]
+        if planner.publish(samples, writer):
+            return PUBLISHED
+        batch = collate_gluon(samples, writer.alloc)
+        planner.remember(samples, batch)
+        return batch
 
 
 def make_fetch(batchify_fn: Callable | None = None) -> BatchifyFetch:

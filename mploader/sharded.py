@@ -26,6 +26,13 @@ class ShardedFetch(BatchifyFetch):
             return [self.collate([dataset[i] for i in shard], alloc) for shard in indices]
         return self.collate([dataset[i] for i in indices], alloc)
 
+    def planned(self, dataset: Any, indices: Sequence[Any], writer: Any, planner: Any) -> Any:
+        """As ``__call__``; a batch that is not a list of shards may go by a plan
+        (:meth:`BatchifyFetch.planned`)."""
+        if len(indices) and isinstance(indices[0], (list, tuple)):
+            return self(dataset, indices, writer.alloc)
+        return super().planned(dataset, indices, writer, planner)
+
 
 class ShardedDataLoader(DataLoader):
     """A :class:`~mploader.DataLoader` whose batch sampler may yield lists of shards,

@@ -1,0 +1,165 @@
+"""Batch plans: a repeating batch structure collated and described in one C call.
+
+A worker's first batch of a structure goes the generic way: the face's collate rule
+writes through ``SlotWriter.alloc``, ``SlotWriter.finish`` encodes the descriptor.
+:meth:`Planner.learn` then records, from that batch, where each field's column lies
+in the payload and the descriptor bytes.  Every later batch of the same batch size
+is offered to :meth:`Planner.publish` first: :meth:`mploader._hot.BatchPlan.fill`
+checks each sample against the plan (exact types, dtypes, shapes) while it copies
+it into its column, writes the recorded descriptor and the slot is published.  A
+batch that does not match goes the generic way, in the same slot, and its
+structure becomes the plan (docs/design.md, "Batch plans").
+
+The generic path is the definition; a plan is only made for the cases where the
+rule's output is a function of the samples' types, dtypes and shapes alone:
+
+* a sample is one leaf, or exactly a ``tuple`` of leaves;
+* a leaf is an ndarray (C-contiguous, of a native dtype without objects, stacked
+  as it is), a Python ``int`` (within int64), ``float`` or ``bool``, or a NumPy
+  number of one type, and its column is one array the rule allocated in the slot.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _hot
+
+__all__ = ["PUBLISHED", "Planner", "make_plan"]
+
+
+class _Published:
+    """The type of :data:`PUBLISHED`."""
+
+    def __repr__(self) -> str:
+        return "PUBLISHED"
+
+
+#: What a face's ``planned`` fetch returns when its batch is already published.
+PUBLISHED = _Published()
+
+#: Plans learnt in a row without one batch published by a plan, after which a
+#: worker stops learning (a structure that changes with every batch).
+MAX_UNUSED_PLANS = 8
+#: Plans kept per worker (one per batch size: the last batch of an epoch is often shorter).
+MAX_PLANS = 4
+
+_SCALAR_TYPES = (np.number, np.bool_)
+_KINDS = _hot.PLAN_KINDS
+
+
+def _field(leaf: Any, out: Any, batch_size: int, handed: dict) -> tuple | None:
+    """``leaf``'s field entry for :class:`mploader._hot.BatchPlan` when its column
+    is the array ``out`` that ``alloc`` handed out, else None."""
+    if type(out) is not np.ndarray:
+        return None
+    hit = handed.get(id(out))
+    if hit is None or hit[0] is not out or not out.flags.c_contiguous:
+        return None
+    offset, dtype = hit[1], out.dtype
+    if not dtype.isnative or dtype.hasobject:
+        return None
+    t = type(leaf)
+    if t is np.ndarray:
+        if (leaf.dtype != dtype or out.shape != (batch_size,) + leaf.shape or not leaf.flags.c_contiguous
+                or leaf.ndim > _hot.PLAN_DIMS):
+            return None
+        return (_KINDS["array"], t, dtype, leaf.shape, leaf.nbytes, offset)
+    if out.shape != (batch_size,):
+        return None
+    want: np.dtype
+    if t is int:
+        kind, want = _KINDS["int"], np.dtype(np.int64)
+    elif t is float:
+        kind, want = _KINDS["float"], np.dtype(np.float64)
+    elif t is bool:
+        kind, want = _KINDS["bool"], np.dtype(np.bool_)
+    elif isinstance(leaf, _SCALAR_TYPES):
+        kind, want = _KINDS["scalar"], leaf.dtype
+    else:
+        return None
+    if dtype != want:
+        return None
+    return (kind, t, None, (), dtype.itemsize, offset)
+
+
+def make_plan(samples: list, collated: Any, writer: Any) -> Any:
+    """The :class:`mploader._hot.BatchPlan` of a batch the generic path has just
+    published: ``samples`` as the dataset returned them, ``collated`` what the
+    collate rule made of them through ``writer.alloc``, ``writer`` the
+    :class:`~mploader._descriptor.SlotWriter` whose ``finish`` published a batch
+    whose descriptor depends on nothing but ``collated``'s arrays (their dtypes,
+    shapes and offsets).  None when the structure cannot be planned (see the
+    module's docstring)."""
+    described = writer.described
+    if described is None or not samples:
+        return None
+    desc_off, desc_len, enc_flags = described
+    if enc_flags or writer.mv is None:
+        return None  # in-band pickles or strings: bytes that change with the batch
+    first, batch_size = samples[0], len(samples)
+    in_tuple = type(first) is tuple
+    if in_tuple:
+        if type(collated) not in (list, tuple) or len(collated) != len(first) or not first:
+            return None
+        pairs = zip(first, collated)
+    else:
+        pairs = zip((first,), (collated,))
+    fields = []
+    for leaf, out in pairs:
+        field = _field(leaf, out, batch_size, writer.handed)
+        if field is None:
+            return None
+        fields.append(field)
+    descriptor = bytes(writer.mv[desc_off:desc_off + desc_len])
+    return _hot.BatchPlan(batch_size, in_tuple, fields, descriptor, desc_off)
+
+
+class Planner:
+    """One worker's plans for one collate rule (see the module's docstring).
+
+    A face's fetch offers each batch's samples to :meth:`publish`; when that
+    declines it collates them the generic way and hands the samples and the
+    collated structure to :meth:`remember`; after the batch was published the
+    worker calls :meth:`learn`.
+    """
+
+    __slots__ = ("pending", "plans", "unused")
+
+    def __init__(self) -> None:
+        self.plans: dict[int, Any] = {}     # batch size -> BatchPlan
+        self.pending: tuple | None = None   # (samples, collated) of the batch being finished
+        self.unused = 0                     # plans learnt since a plan last published a batch
+
+    def publish(self, samples: list, writer: Any) -> bool:
+        """Write and publish ``samples`` by the plan for their batch size; False
+        (nothing published) when there is none or they do not match it."""
+        plan = self.plans.get(len(samples))
+        if plan is None or not plan.fill(samples, writer.base, writer.capacity):
+            return False
+        writer.publish_plan(plan)
+        self.unused = 0
+        return True
+
+    def remember(self, samples: list, collated: Any) -> None:
+        """Keep the generic batch for :meth:`learn` (unless learning stopped)."""
+        if self.unused < MAX_UNUSED_PLANS:
+            self.pending = (samples, collated)
+
+    def forget(self) -> None:
+        """Drop the remembered batch (it failed, or was not published in a slot)."""
+        self.pending = None
+
+    def learn(self, writer: Any) -> None:
+        """Make the plan of the remembered batch, now published through ``writer``."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        plan = make_plan(pending[0], pending[1], writer)
+        self.unused += 1
+        if plan is None:
+            return
+        if len(self.plans) >= MAX_PLANS:
+            self.plans.clear()
+        self.plans[plan.batch_size] = plan
