@@ -93,7 +93,7 @@ def make_plan(samples: list, collated: Any, writer: Any) -> Any:
     shapes and offsets).  None when the structure cannot be planned (see the
     module's docstring)."""
     described = writer.described
-    if described is None or not samples:
+    if described is None or type(samples) is not list or not samples:
         return None
     desc_off, desc_len, enc_flags = described
     if enc_flags or writer.mv is None:
@@ -135,6 +135,8 @@ class Planner:
     def publish(self, samples: list, writer: Any) -> bool:
         """Write and publish ``samples`` by the plan for their batch size; False
         (nothing published) when there is none or they do not match it."""
+        if type(samples) is not list:
+            return False  # (a dataset's __getitems__ may return another sequence)
         plan = self.plans.get(len(samples))
         if plan is None or not plan.fill(samples, writer.base, writer.capacity):
             return False

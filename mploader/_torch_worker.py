@@ -18,6 +18,7 @@ from torch.utils.data._utils import worker as _torch_worker
 
 from . import _rng_state
 from . import _worker as _mpl_worker
+from ._plan import PUBLISHED, Planner
 from ._torch_collate import collate_into, convert_into, pack, stock_default_collate
 
 _MASK32 = 0xFFFFFFFF
@@ -141,22 +142,44 @@ class Fetch:
         self._ended = False
 
     def __call__(self, dataset: Any, indices: Any, alloc: Callable) -> tuple[int, Any, int, bytes | None]:
-        info = _torch_worker._worker_info
-        wid = info.id if info is not None else -1
+        wid = _worker_id()
         if isinstance(dataset, IterableDataset):
             data = self._next_samples(dataset, indices)
             if data is _END:
                 return (wid, None, EXHAUSTED, None)
         elif self.auto_collation:
-            getitems = getattr(dataset, "__getitems__", None)
-            data = getitems(indices) if getitems else [dataset[i] for i in indices]
+            data = _map_samples(dataset, indices)
         else:
             data = dataset[indices]
+        return self._collate(wid, data, alloc)
+
+    def _collate(self, wid: int, data: Any, alloc: Callable) -> tuple[int, Any, int, bytes | None]:
         if self.mode == DEFAULT and stock_default_collate():
             return (wid, collate_into(data, alloc), ARRAYS, None)
         if self.mode == CONVERT:
             return (wid, convert_into(data), ARRAYS, None)
         return (wid, pack(self.collate_fn(data)), PACKED, None)
+
+    def make_planner(self) -> Planner | None:
+        """A worker's :class:`~mploader._plan.Planner` when batches are collated by
+        torch's own ``default_collate`` from a map-style dataset; else None."""
+        return Planner() if self.mode == DEFAULT and self.auto_collation else None
+
+    def _plannable(self, dataset: Any) -> bool:
+        return not isinstance(dataset, IterableDataset) and stock_default_collate()
+
+    def planned(self, dataset: Any, indices: Any, writer: Any, planner: Planner) -> Any:
+        """As ``__call__`` into ``writer``'s slot, by ``planner``'s plan when the batch
+        matches one (then already published: returns :data:`~mploader._plan.PUBLISHED`)."""
+        if not self._plannable(dataset):
+            return self(dataset, indices, writer.alloc)
+        wid = _worker_id()
+        data = _map_samples(dataset, indices)
+        if planner.publish(data, writer):
+            return PUBLISHED
+        payload = collate_into(data, writer.alloc)
+        planner.remember(data, payload)
+        return (wid, payload, ARRAYS, None)
 
     def _next_samples(self, dataset: Any, indices: Any) -> Any:
         _, epoch, n = indices
@@ -202,18 +225,26 @@ class CapturingFetch(Fetch):
         self._sent: bytes | None = None   # the states sent with this run's previous batch
         self._sent_epoch = -1
 
-    def __call__(self, dataset: Any, indices: Any, alloc: Callable) -> tuple[int, Any, int, bytes | None]:
+    def _new_run(self) -> None:
         epoch = _mpl_worker.task_epoch
         if epoch != self._sent_epoch or epoch < 0:
             self._sent, self._sent_epoch = None, epoch
+
+    def _failed(self, exc: BaseException) -> None:
+        """``exc`` carries the states as ``mploader_rng`` when its type can take them;
+        whether they reach the parent depends on the exception: the next batch sends them."""
+        self._sent = None
+        try:
+            exc.mploader_rng = _rng_state.capture()  # type: ignore[attr-defined]
+        except Exception:  # noqa: BLE001 - an exception type without attributes: the state is not known
+            pass
+
+    def __call__(self, dataset: Any, indices: Any, alloc: Callable) -> tuple[int, Any, int, bytes | None]:
+        self._new_run()
         try:
             wid, payload, kind, _ = super().__call__(dataset, indices, alloc)
         except Exception as exc:
-            self._sent = None  # whether its states reach the parent depends on the exception: send the next
-            try:
-                exc.mploader_rng = _rng_state.capture()  # type: ignore[attr-defined]
-            except Exception:  # noqa: BLE001 - an exception type without attributes: the state is not known
-                pass
+            self._failed(exc)
             raise
         rng = _rng_state.capture()
         if rng == self._sent:
@@ -221,6 +252,43 @@ class CapturingFetch(Fetch):
         self._sent = rng
         return (wid, payload, kind, rng)
 
+    def planned(self, dataset: Any, indices: Any, writer: Any, planner: Planner) -> Any:
+        """:meth:`Fetch.planned` with the RNG states of ``__call__``: a batch goes by a
+        plan only when it sends no states (they are those of the previous batch).
+        The states are captured before collation, which draws nothing with torch's
+        own ``default_collate`` (the only rule with plans)."""
+        if not self._plannable(dataset):
+            return self(dataset, indices, writer.alloc)
+        self._new_run()
+        try:
+            data = _map_samples(dataset, indices)
+            rng = _rng_state.capture()
+            if rng == self._sent:
+                if planner.publish(data, writer):
+                    return PUBLISHED
+                payload = collate_into(data, writer.alloc)
+                planner.remember(data, payload)
+                return (_worker_id(), payload, ARRAYS, None)
+            payload = collate_into(data, writer.alloc)
+        except Exception as exc:
+            self._failed(exc)
+            raise
+        self._sent = rng
+        return (_worker_id(), payload, ARRAYS, rng)
+
 
 #: ``_next_samples``' answer when the replica has no (full) batch left.
 _END = object()
+
+
+def _worker_id() -> int:
+    info = _torch_worker._worker_info
+    return info.id if info is not None else -1
+
+
+def _map_samples(dataset: Any, indices: Any) -> Any:
+    """A map-style dataset's samples of one batch, as torch's ``_MapDatasetFetcher``:
+    ``dataset.__getitems__(indices)`` when the dataset has it, else one
+    ``dataset[i]`` per index."""
+    getitems = getattr(dataset, "__getitems__", None)
+    return getitems(indices) if getitems else [dataset[i] for i in indices]

@@ -1,8 +1,22 @@
 """Helpers for the torch face's tests: compare batches from two loaders."""
 import collections
+import contextlib
 
 import numpy as np
 import torch
+from torch.utils.data._utils import worker as torch_worker
+
+
+@contextlib.contextmanager
+def as_torch_worker():
+    """Make torch's collate functions behave as in a DataLoader worker (tensors are
+    stacked into the first one's dtype there)."""
+    saved = torch_worker._worker_info
+    torch_worker._worker_info = torch_worker.WorkerInfo(id=0, num_workers=1, seed=0, dataset=None)
+    try:
+        yield
+    finally:
+        torch_worker._worker_info = saved
 
 
 def assert_same_batch(a, b, path="batch"):

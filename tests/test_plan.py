@@ -1,23 +1,28 @@
 """Batch plans (mploader._plan, _hot.BatchPlan): a batch written by a plan is the
-batch Gluon's rule makes of its samples, whatever the samples do -- the same
+batch the face's rule makes of its samples, whatever the samples do -- the same
 structure again, or a sample that differs in type, dtype, shape, length or layout
 anywhere in the batch (then the generic path writes it, in the same slot, over
 what the plan had begun).
 
-The reference is Gluon's rule restated with NumPy (``np.asarray`` per field of
-tuple samples), not mploader's collation; the slot is a real one-slot region,
+The references are not mploader's collation: for the Gluon face its rule restated
+with NumPy (``np.asarray`` per field of tuple samples), for the torch face
+``torch.utils.data.default_collate`` itself (as in a worker of torch's DataLoader).  The slot is a real one-slot region,
 written and read the way a worker and the parent do."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from _torch_util import as_torch_worker, assert_same_batch
 from _util import assert_same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mploader
+import mploader.torch as mpt
 from mploader import _descriptor as D
-from mploader import _hot, _plan, _ring
+from mploader import _hot, _plan, _ring, _torch_collate, _torch_worker
+from mploader import _worker as mpl_worker
 from mploader.dataloader import BatchifyFetch
 
 pytestmark = pytest.mark.timeout(120)
@@ -41,9 +46,9 @@ class OneSlot:
     ``mploader._worker._loop`` does and returns (the decoded batch, whether a plan
     wrote it)."""
 
-    def __init__(self, slot_bytes=1 << 16):
+    def __init__(self, slot_bytes=1 << 16, fetch=None):
         self.region = _ring.create_region(1, slot_bytes)
-        self.fetch = BatchifyFetch(None)
+        self.fetch = BatchifyFetch(None) if fetch is None else fetch
         self.planner = self.fetch.make_planner()
         self.seq = 0
 
@@ -51,7 +56,13 @@ class OneSlot:
         self.seq += 1
         self.region.assign(0, self.seq)
         writer = D.SlotWriter(self.region, 0, self.seq)
-        batch = self.fetch.planned(samples, range(len(samples)), writer, self.planner)
+        try:
+            batch = self.fetch.planned(samples, range(len(samples)), writer, self.planner)
+        except Exception:
+            self.planner.forget()  # as the worker: the slot carries the error, the parent frees it
+            self.region.publish(0, _ring.KIND_ERROR, 0, 0)
+            self.region.wait(0, 0)  # the lease, dropped at once: the slot is free again
+            raise
         planned = batch is _plan.PUBLISHED
         if not planned:
             assert writer.finish(batch) is None
@@ -245,9 +256,111 @@ def test_a_loader_with_structures_changing_mid_epoch_gives_gluons_batches():
 
     data = Data()
     with mploader.DataLoader(data, 10, num_workers=2, seed=0) as loader:
-        for epoch in range(2):
+        for _epoch in range(2):
             got = [[np.array(x) for x in batch] for batch in loader]
             want = [gluon_numpy([data[i] for i in range(s, min(s + 10, 103))]) for s in range(0, 103, 10)]
             assert len(got) == len(want) == 11
             for g, w in zip(got, want):
                 assert_same(g, w)
+
+
+# ---- the torch face: torch's default_collate is the reference ----
+
+TORCH_DTYPES = ["bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64", "complex64"]
+torch_leaf_specs = st.one_of(
+    st.tuples(st.just("array"), st.sampled_from(TORCH_DTYPES),
+              st.lists(st.integers(0, 3), min_size=0, max_size=3).map(tuple)),
+    st.tuples(st.sampled_from(["int", "float", "bool"])),
+    st.tuples(st.just("scalar"), st.sampled_from([np.int64, np.int32, np.float32, np.float64, np.bool_])),
+)
+
+
+def torch_face_batch(slot, samples):
+    """(what mploader.torch's parent makes of the batch, or the exception the worker
+    raised; whether a plan wrote it)."""
+    try:
+        got, planned = slot.load(samples)
+    except Exception as exc:  # noqa: BLE001 - compared with torch's
+        return exc, False
+    wid, payload, kind, rng = got
+    assert kind == _torch_worker.ARRAYS and (rng is None or planned is False)
+    return _torch_collate.to_tensors(payload), planned
+
+
+@pytest.mark.parametrize("capturing", [True, False], ids=["torch seeding", "seed="])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(structure=st.tuples(st.booleans(), st.lists(torch_leaf_specs, min_size=1, max_size=3)),
+       batch_size=st.integers(1, 5),
+       changes=st.lists(st.one_of(st.none(), st.tuples(st.integers(0, 4), st.integers(0, 127))),
+                        min_size=2, max_size=5))
+def test_torch_face_batches_are_default_collates(monkeypatch, capturing, structure, batch_size, changes):
+    monkeypatch.setattr(mpl_worker, "task_epoch", 0)  # as in a worker's run (states sent once per run)
+    cls = _torch_worker.CapturingFetch if capturing else _torch_worker.Fetch
+    slot = OneSlot(fetch=cls(_torch_worker.DEFAULT, torch.utils.data.default_collate, True, False))
+    try:
+        planned_batches = 0
+        for b, change in enumerate(changes):
+            samples = [make_sample(structure, 10 * b + i) for i in range(batch_size)]
+            if change is not None:
+                where, how = change
+                samples[where % batch_size] = perturb(samples[where % batch_size], how, structure)
+            got, planned = torch_face_batch(slot, samples)
+            try:
+                with as_torch_worker():
+                    want = torch.utils.data.default_collate(samples)
+            except Exception as exc:  # noqa: BLE001 - the face must raise the same type
+                assert type(got) is type(exc), (got, exc)
+                continue
+            assert not isinstance(got, Exception), got
+            assert_same_batch(got, want)
+            planned_batches += planned
+        assert planned_batches <= len(changes) - 1
+    finally:
+        slot.close()
+
+
+def test_torch_face_plans_batches_only_while_the_rng_states_stay(monkeypatch):
+    """With torch's seeding a batch carries the worker's RNG states when they changed;
+    such a batch is not written by a plan (its descriptor holds the states)."""
+    monkeypatch.setattr(mpl_worker, "task_epoch", 0)
+    slot = OneSlot(fetch=_torch_worker.CapturingFetch(_torch_worker.DEFAULT, torch.utils.data.default_collate,
+                                                      True, False))
+    try:
+        def samples(b):
+            return [(np.full(4, b * 8 + i, np.float32), b * 8 + i) for i in range(8)]
+
+        outcomes = []
+        for b in range(6):
+            if b == 3:
+                torch.rand(1)  # the dataset drew a number: this batch sends the states
+            (wid, payload, kind, rng), planned = slot.load(samples(b))
+            outcomes.append((rng is not None, planned))
+            assert_same_batch(_torch_collate.to_tensors(payload), torch.utils.data.default_collate(samples(b)))
+        # batch 0 sends the run's states; 1 learns the plan; 3 sends new states; 4 learns again? no:
+        # the plan of batch 1 still matches, so 4 and 5 go by it
+        assert outcomes == [(True, False), (False, False), (False, True), (True, False), (False, True),
+                            (False, True)]
+    finally:
+        slot.close()
+
+
+def test_torch_loader_with_structures_changing_mid_epoch_gives_torchs_batches():
+    """Through real workers, against torch's default_collate as a worker runs it."""
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 103
+
+        def __getitem__(self, i):
+            return (np.full((2, 3), i, np.float64 if i % 7 == 0 and i > 40 else np.float32), i, float(i) / 3)
+
+    data = Data()
+    with as_torch_worker():
+        want = [torch.utils.data.default_collate([data[i] for i in range(s, min(s + 10, 103))])
+                for s in range(0, 103, 10)]
+    with mpt.DataLoader(data, batch_size=10, num_workers=2, persistent_workers=True) as loader:
+        for _epoch in range(2):
+            got = list(loader)
+            assert len(got) == len(want) == 11
+            for g, w in zip(got, want):
+                assert_same_batch(g, w)

@@ -7,7 +7,6 @@ shapes and values, raise the same errors, and write each output tensor once, int
 memory handed out by ``alloc``.
 """
 import collections
-import contextlib
 import pickle
 import random
 
@@ -16,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from _torch_util import assert_same_batch  # noqa: E402
+from _torch_util import as_torch_worker, assert_same_batch  # noqa: E402
 from torch.utils.data import default_collate, default_convert  # noqa: E402
 from torch.utils.data._utils import collate as torch_collate  # noqa: E402
 from torch.utils.data._utils import worker as torch_worker  # noqa: E402
@@ -32,17 +31,6 @@ from mploader._torch_collate import (  # noqa: E402
 from mploader._torch_worker import numpy_seed_state  # noqa: E402
 
 Point = collections.namedtuple("Point", "x y")
-
-
-@contextlib.contextmanager
-def as_torch_worker():
-    """Make torch's collate functions behave as in a DataLoader worker."""
-    saved = torch_worker._worker_info
-    torch_worker._worker_info = torch_worker.WorkerInfo(id=0, num_workers=1, seed=0, dataset=None)
-    try:
-        yield
-    finally:
-        torch_worker._worker_info = saved
 
 
 class RecordingAlloc:
