@@ -174,6 +174,7 @@ def _run(spec: WorkerSpec, boot: WorkerBoot) -> None:
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        batch_scheduling()
         _ring.watch_parent(boot.parent_pid)  # not PR_SET_PDEATHSIG: it fires when the forking *thread* ends
         if boot.drop is not None:
             boot.drop()
@@ -203,6 +204,20 @@ def _run(spec: WorkerSpec, boot: WorkerBoot) -> None:
             except BaseException:  # noqa: BLE001
                 pass
         os._exit(code)
+
+
+def batch_scheduling() -> None:
+    """Put this process under Linux's ``SCHED_BATCH`` policy (docs/design.md,
+    "Workers"): a worker that wakes up no longer preempts the running training loop;
+    its share of the CPU is unchanged.  Nothing happens where the policy does not
+    exist or is refused."""
+    setter, policy = getattr(os, "sched_setscheduler", None), getattr(os, "SCHED_BATCH", None)
+    if setter is None or policy is None:
+        return
+    try:
+        setter(0, policy, os.sched_param(0))
+    except OSError:
+        pass
 
 
 def _init(spec: WorkerSpec, worker_id: int) -> BatchFailure | None:

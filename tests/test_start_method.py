@@ -2,6 +2,8 @@
 workers give the same batches as forked ones (the reference: the in-process loader)."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -27,3 +29,16 @@ def test_spawned_workers_give_the_in_process_batches(start_method):
 def test_an_unknown_start_method_is_refused_naming_the_argument():
     with pytest.raises(ValueError, match="start_method"):
         mploader.DataLoader(np.arange(4), 2, num_workers=1, start_method="vfork")
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+@pytest.mark.parametrize("start_method", ["fork", "spawn"])
+def test_workers_run_under_sched_batch_and_the_parent_does_not(start_method):
+    """docs/design.md, "Workers": a worker's wake-up must not preempt the training loop."""
+    before = os.sched_getscheduler(0)
+    with mploader.DataLoader(np.arange(8), 4, num_workers=2, start_method=start_method) as dl:
+        assert len(list(dl)) == 2
+        pids = dl.worker_pids()
+        assert len(pids) == 2
+        assert [os.sched_getscheduler(pid) for pid in pids] == [os.SCHED_BATCH] * 2
+    assert os.sched_getscheduler(0) == before == os.SCHED_OTHER
