@@ -13,7 +13,7 @@
 """
 from libc.errno cimport EINTR, errno
 from libc.stdint cimport int64_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 from cpython.bytearray cimport PyByteArray_AS_STRING
 from cpython.exc cimport PyErr_CheckSignals
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
@@ -352,6 +352,16 @@ def clear_gauss(Py_ssize_t address):
     ``has_gauss`` int and ``gauss`` double, 8 bytes apart), as seeding does."""
     (<int *>address)[0] = 0
     (<double *>(<char *>address + 8))[0] = 0.0
+
+
+def mem_equal(Py_ssize_t address, bytes data, Py_ssize_t offset, Py_ssize_t n):
+    """Whether the ``n`` bytes of this process's memory at ``address`` are
+    ``data[offset:offset + n]`` (``memcmp``, nothing copied).  The caller vouches that
+    ``address`` holds ``n`` readable bytes (mploader._rng_state: generator states at
+    calibrated offsets).  Raises ValueError when the slice is not inside ``data``."""
+    if offset < 0 or n < 0 or offset + n > len(data):
+        raise ValueError(f"mem_equal: [{offset}, {offset + n}) is not inside {len(data)} bytes")
+    return memcmp(<const void *>address, PyBytes_AS_STRING(data) + offset, <size_t>n) == 0
 
 
 # ---- collation checks (mploader/_collate.py) ----

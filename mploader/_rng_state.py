@@ -37,7 +37,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["capture", "to_json", "restore", "check_json"]
+from . import _hot
+
+__all__ = ["capture", "capture_if_changed", "to_json", "restore", "check_json"]
 
 _MT_WORDS = 624
 #: index (int32) + 624 uint32 words: CPython's RandomObject after PyObject_HEAD,
@@ -133,6 +135,41 @@ def capture() -> bytes:
     if torch is not None and hasattr(torch, "default_generator"):   # not a half-imported torch
         th = torch.default_generator.get_state().numpy().tobytes()
     return b"".join((py, _PY_GAUSS.pack(gauss_next is not None, gauss_next or 0.0), npk, npg, th))
+
+
+def capture_if_changed(last: bytes | None) -> bytes | None:
+    """None when :func:`capture` would return ``last``, else what it returns.
+
+    With the calibrated reads the states are compared in place with ``last``
+    (``memcmp``; torch's generator through one ``get_state()``), about 1.5 us instead
+    of 3 us for capturing and comparing; elsewhere this captures and compares."""
+    if last is not None and len(last) >= _FIXED:
+        inst: Any = random._inst
+        rs = np.random.mtrand._rand
+        py_off, np_off = _Layout.py_state, _Layout.np_gauss
+        if (py_off is not None and np_off is not None and type(inst) is random.Random
+                and type(rs) is np.random.RandomState):
+            return None if _unchanged(last, inst, rs, py_off, np_off) else capture()
+    blob = capture()
+    return None if blob == last else blob
+
+
+def _unchanged(last: bytes, inst: Any, rs: Any, py_off: int, np_off: int) -> bool:
+    gauss_next = inst.gauss_next
+    p = _MT_BYTES
+    if not (_hot.mem_equal(id(inst) + py_off, last, 0, _MT_BYTES)
+            and last[p:p + _PY_GAUSS.size] == _PY_GAUSS.pack(gauss_next is not None, gauss_next or 0.0)):
+        return False
+    p += _PY_GAUSS.size
+    if not (_hot.mem_equal(rs._bit_generator.ctypes.state_address, last, p, _MT_BYTES)
+            and _hot.mem_equal(id(rs) + np_off, last, p + _MT_BYTES, _NP_GAUSS.size)):
+        return False
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "default_generator"):
+        return len(last) == _FIXED
+    state = torch.default_generator.get_state()
+    n = state.numel()
+    return len(last) == _FIXED + n and _hot.mem_equal(state.data_ptr(), last, _FIXED, n)
 
 
 def to_json(blob: bytes) -> dict:

@@ -246,8 +246,8 @@ class CapturingFetch(Fetch):
         except Exception as exc:
             self._failed(exc)
             raise
-        rng = _rng_state.capture()
-        if rng == self._sent:
+        rng = _rng_state.capture_if_changed(self._sent)
+        if rng is None:
             return (wid, payload, kind, None)
         self._sent = rng
         return (wid, payload, kind, rng)
@@ -262,8 +262,8 @@ class CapturingFetch(Fetch):
         self._new_run()
         try:
             data = _map_samples(dataset, indices)
-            rng = _rng_state.capture()
-            if rng == self._sent:
+            rng = _rng_state.capture_if_changed(self._sent)
+            if rng is None:
                 if planner.publish(data, writer):
                     return PUBLISHED
                 payload = collate_into(data, writer.alloc)

@@ -496,3 +496,40 @@ def test_spawned_workers_get_their_states():
         again.load_state_dict(state)
         assert [as_list(b) for b in again] == rest
     check_streams(first + rest)
+
+
+DRAWS = {
+    "random.random": lambda: random.random(),
+    "random.gauss (caches the next)": lambda: random.gauss(0, 1),
+    "numpy rand": lambda: np.random.rand(),
+    "numpy standard_normal (caches a Gaussian)": lambda: np.random.standard_normal(),
+    "torch.rand": lambda: torch.rand(1),
+    "nothing": lambda: None,
+}
+
+
+@pytest.mark.parametrize("calibrated", [True, False], ids=["in-place reads", "public getters"])
+def test_capture_if_changed_is_none_exactly_when_capture_is_unchanged(monkeypatch, calibrated):
+    """The reference is capture() itself, compared as bytes (capture is checked
+    against the public getters by the tests above)."""
+    _rng_state.capture()  # calibrated
+    if not calibrated:
+        monkeypatch.setattr(_rng_state._Layout, "py_state", None)
+    rng = random.Random(5)
+    names = list(DRAWS) * 3
+    rng.shuffle(names)
+    last = _rng_state.capture()
+    assert _rng_state.capture_if_changed(None) == last
+    outcomes = set()
+    for name in names:
+        DRAWS[name]()
+        now = _rng_state.capture()
+        got = _rng_state.capture_if_changed(last)
+        if now == last:
+            assert got is None, name
+        else:
+            assert got == now, name
+        outcomes.add(now == last)
+        last = now
+    assert outcomes == {True, False}
+    assert _rng_state.capture_if_changed(last[:-1]) == last  # another length: changed
