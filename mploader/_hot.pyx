@@ -582,11 +582,12 @@ cdef enum:
     PLAN_FLOAT = 2     # a Python float -> float64
     PLAN_BOOL = 3      # a Python bool -> bool (1 byte)
     PLAN_SCALAR = 4    # a NumPy scalar of one type -> its dtype's bytes
+    PLAN_OTHER = 5     # a leaf of one type that the caller writes (only its type is checked here)
     PLAN_MAX_DIMS = 8
 
 #: Field kinds of :class:`BatchPlan` (``fields`` entries' first item).
 PLAN_KINDS = {"array": PLAN_ARRAY, "int": PLAN_INT, "float": PLAN_FLOAT, "bool": PLAN_BOOL,
-              "scalar": PLAN_SCALAR}
+              "scalar": PLAN_SCALAR, "other": PLAN_OTHER}
 #: The most dimensions an array field of a plan may have.
 PLAN_DIMS = PLAN_MAX_DIMS
 
@@ -619,7 +620,8 @@ cdef class BatchPlan:
         Per leaf: ``(kind, leaf_type, dtype, shape, row, offset)`` -- kind one of
         :data:`PLAN_KINDS`' values, the leaves' exact type, their dtype (ARRAY) or
         None, their shape (ARRAY) or ``()``, the bytes one leaf takes in the column,
-        and the column's offset in the payload.
+        and the column's offset in the payload.  An ``"other"`` field's leaves are
+        only checked for their type: the caller writes that column after ``fill``.
     descriptor : bytes
         The descriptor bytes, written at ``desc_off``.
     desc_off : int
@@ -732,8 +734,9 @@ cdef class BatchPlan:
                     (<double *>dst)[0] = PyFloat_AS_DOUBLE_raw(leaf)
                 elif p.kind == PLAN_BOOL:
                     dst[0] = 1 if leaf == Py_True_raw else 0
-                else:
+                elif p.kind == PLAN_SCALAR:
                     cnp.PyArray_ScalarAsCtype(<object>leaf, dst)
+                # PLAN_OTHER: the caller fills the column (its type was checked above)
         memcpy(<char *>base + self.desc_off, PyBytes_AS_STRING(self.descriptor), len(self.descriptor))
         if self.any_stream:
             mpl_stream_fence()  # the streaming stores are visible before the slot is published

@@ -16,17 +16,19 @@ rule's output is a function of the samples' types, dtypes and shapes alone:
 * a sample is one leaf, or exactly a ``tuple`` of leaves;
 * a leaf is an ndarray (C-contiguous, of a native dtype without objects, stacked
   as it is), a Python ``int`` (within int64), ``float`` or ``bool``, or a NumPy
-  number of one type, and its column is one array the rule allocated in the slot.
+  number of one type -- or a leaf the face plans itself (the torch face's tensors:
+  :data:`OtherColumn`) -- and its column is one array the rule allocated in the slot.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from . import _hot
 
-__all__ = ["PUBLISHED", "Planner", "make_plan"]
+__all__ = ["PUBLISHED", "Plan", "Planner", "make_plan"]
 
 
 class _Published:
@@ -84,14 +86,42 @@ def _field(leaf: Any, out: Any, batch_size: int, handed: dict) -> tuple | None:
     return (kind, t, None, (), dtype.itemsize, offset)
 
 
-def make_plan(samples: list, collated: Any, writer: Any) -> Any:
-    """The :class:`mploader._hot.BatchPlan` of a batch the generic path has just
-    published: ``samples`` as the dataset returned them, ``collated`` what the
-    collate rule made of them through ``writer.alloc``, ``writer`` the
-    :class:`~mploader._descriptor.SlotWriter` whose ``finish`` published a batch
-    whose descriptor depends on nothing but ``collated``'s arrays (their dtypes,
-    shapes and offsets).  None when the structure cannot be planned (see the
-    module's docstring)."""
+#: ``other(leaf, out, batch_size) -> fill or None``: a face's plan for a column of
+#: leaves the C loop does not know (torch tensors), whose generic column is the array
+#: ``out`` in the slot; ``fill(leaves, out) -> bool`` writes the B leaves into an
+#: array at ``out``'s place, or returns False (nothing planned: the generic path runs).
+OtherColumn = Callable[[Any, np.ndarray, int], Callable[[list, np.ndarray], bool] | None]
+
+
+class Plan:
+    """A :class:`mploader._hot.BatchPlan` and the columns a face fills itself."""
+
+    __slots__ = ("batch_size", "columns", "core", "in_tuple", "total")
+
+    def __init__(self, core: Any, in_tuple: bool, columns: list[tuple]) -> None:
+        self.core, self.in_tuple, self.columns = core, in_tuple, columns
+        self.batch_size, self.total = core.batch_size, core.total
+
+    def fill(self, samples: list, writer: Any) -> bool:
+        """Write ``samples`` and the descriptor into ``writer``'s slot (True), or
+        decline (False; what was written is garbage the generic path overwrites)."""
+        if not self.core.fill(samples, writer.base, writer.capacity):
+            return False
+        for j, fill, shape, dtype, offset in self.columns:
+            leaves = [s[j] for s in samples] if self.in_tuple else samples
+            if not fill(leaves, np.ndarray(shape, dtype, writer.mv, offset)):
+                return False
+        return True
+
+
+def make_plan(samples: list, collated: Any, writer: Any, other: OtherColumn | None = None) -> Plan | None:
+    """The :class:`Plan` of a batch the generic path has just published: ``samples``
+    as the dataset returned them, ``collated`` what the collate rule made of them
+    through ``writer.alloc``, ``writer`` the :class:`~mploader._descriptor.SlotWriter`
+    whose ``finish`` published a batch whose descriptor depends on nothing but
+    ``collated``'s arrays (their dtypes, shapes and offsets).  ``other`` plans the
+    columns of leaves this module does not know.  None when the structure cannot be
+    planned (see the module's docstring)."""
     described = writer.described
     if described is None or type(samples) is not list or not samples:
         return None
@@ -106,14 +136,20 @@ def make_plan(samples: list, collated: Any, writer: Any) -> Any:
         pairs = zip(first, collated)
     else:
         pairs = zip((first,), (collated,))
-    fields = []
-    for leaf, out in pairs:
+    fields, columns = [], []
+    for j, (leaf, out) in enumerate(pairs):
         field = _field(leaf, out, batch_size, writer.handed)
+        if field is None and other is not None and type(out) is np.ndarray:
+            hit = writer.handed.get(id(out))
+            fill = other(leaf, out, batch_size) if hit is not None and hit[0] is out else None
+            if fill is not None:
+                field = (_KINDS["other"], type(leaf), None, (), 0, hit[1])
+                columns.append((j, fill, out.shape, out.dtype, hit[1]))
         if field is None:
             return None
         fields.append(field)
     descriptor = bytes(writer.mv[desc_off:desc_off + desc_len])
-    return _hot.BatchPlan(batch_size, in_tuple, fields, descriptor, desc_off)
+    return Plan(_hot.BatchPlan(batch_size, in_tuple, fields, descriptor, desc_off), in_tuple, columns)
 
 
 class Planner:
@@ -125,10 +161,11 @@ class Planner:
     worker calls :meth:`learn`.
     """
 
-    __slots__ = ("pending", "plans", "unused")
+    __slots__ = ("other", "pending", "plans", "unused")
 
-    def __init__(self) -> None:
-        self.plans: dict[int, Any] = {}     # batch size -> BatchPlan
+    def __init__(self, other: OtherColumn | None = None) -> None:
+        self.other = other                  # the face's plans for other leaves (make_plan)
+        self.plans: dict[int, Plan] = {}    # batch size -> Plan
         self.pending: tuple | None = None   # (samples, collated) of the batch being finished
         self.unused = 0                     # plans learnt since a plan last published a batch
 
@@ -138,9 +175,9 @@ class Planner:
         if type(samples) is not list:
             return False  # (a dataset's __getitems__ may return another sequence)
         plan = self.plans.get(len(samples))
-        if plan is None or not plan.fill(samples, writer.base, writer.capacity):
+        if plan is None or not plan.fill(samples, writer):
             return False
-        writer.publish_plan(plan)
+        writer.publish_plan(plan.core)
         self.unused = 0
         return True
 
@@ -158,7 +195,7 @@ class Planner:
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        plan = make_plan(pending[0], pending[1], writer)
+        plan = make_plan(pending[0], pending[1], writer, self.other)
         self.unused += 1
         if plan is None:
             return

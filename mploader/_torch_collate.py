@@ -377,6 +377,37 @@ def _stack_tensors(batch: Any, alloc: Alloc) -> np.ndarray:
     return _into(torch.stack(batch, 0, out=torch.empty(0, dtype=elem.dtype, device=elem.device)).cpu(), alloc)
 
 
+def plan_tensor_column(leaf: Any, out: np.ndarray, batch_size: int) -> Callable[[list, np.ndarray], bool] | None:
+    """:data:`mploader._plan.OtherColumn` for tensors: a column that
+    :func:`_stack_tensors` stacked into the slot (``out``) from exact ``torch.Tensor``
+    leaves on the CPU, strided, not nested, of a dtype with a transit dtype.
+
+    The plan's ``fill(leaves, dest)`` does what :func:`_stack_tensors` does for such a
+    first leaf -- ``torch.stack`` into a tensor of the first leaf's dtype and shape
+    over the slot, which checks (or casts) the other leaves exactly as there -- and
+    declines when the first leaf is not of the plan's dtype, shape, device, layout,
+    or when ``torch.stack`` raises (the generic path then raises its own error)."""
+    if (type(leaf) is not torch.Tensor or leaf.is_nested or leaf.layout != torch.strided
+            or leaf.device.type != "cpu" or leaf.dtype.itemsize not in _RAW_OF_SIZE):
+        return None
+    dtype, shape = leaf.dtype, tuple(leaf.shape)
+    if out.shape != (batch_size,) + shape or out.dtype != raw_dtype(dtype):
+        return None
+    strided = torch.strided
+
+    def fill(leaves: list, dest: np.ndarray) -> bool:
+        first = leaves[0]
+        if (first.dtype != dtype or first.shape != shape or first.is_nested or first.layout != strided
+                or first.device.type != "cpu"):
+            return False
+        try:
+            torch.stack(leaves, 0, out=_dest(dest, dtype))
+        except Exception:  # noqa: BLE001 - the generic path raises its own error for this batch
+            return False
+        return True
+    return fill
+
+
 def _sizes(batch: Any) -> int:
     """What a torch worker computes first (AttributeError for a non-tensor element)."""
     return sum(x.numel() for x in batch)

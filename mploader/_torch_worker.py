@@ -19,7 +19,7 @@ from torch.utils.data._utils import worker as _torch_worker
 from . import _rng_state
 from . import _worker as _mpl_worker
 from ._plan import PUBLISHED, Planner
-from ._torch_collate import collate_into, convert_into, pack, stock_default_collate
+from ._torch_collate import collate_into, convert_into, pack, plan_tensor_column, stock_default_collate
 
 _MASK32 = 0xFFFFFFFF
 
@@ -163,7 +163,7 @@ class Fetch:
     def make_planner(self) -> Planner | None:
         """A worker's :class:`~mploader._plan.Planner` when batches are collated by
         torch's own ``default_collate`` from a map-style dataset; else None."""
-        return Planner() if self.mode == DEFAULT and self.auto_collation else None
+        return Planner(plan_tensor_column) if self.mode == DEFAULT and self.auto_collation else None
 
     def _plannable(self, dataset: Any) -> bool:
         return not isinstance(dataset, IterableDataset) and stock_default_collate()

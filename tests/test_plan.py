@@ -104,6 +104,8 @@ def make_leaf(spec, value):
         raw = (np.arange(int(np.prod(shape)) * dtype.itemsize, dtype=np.int64) * 7 + value) % 251
         return raw.astype(np.uint8).view(dtype).reshape(shape) if dtype.kind != "b" else \
             (raw % 2).astype(bool).reshape(shape)
+    if kind == "tensor":
+        return torch.from_numpy(make_leaf(("array",) + spec[1:], value).copy())
     if kind == "int":
         return value * 3 - 7
     if kind == "float":
@@ -131,7 +133,18 @@ def perturb(sample, how, structure):
         return list(sample)                                   # a list, not a tuple
     if kind == 1 and in_tuple:
         return tuple(fields[:-1]) if len(fields) > 1 else tuple(fields) + (1,)  # another length
-    if isinstance(leaf, np.ndarray):
+    if isinstance(leaf, torch.Tensor):
+        fields[k] = [
+            lambda t: t.double() if t.dtype != torch.float64 else t.float(),      # another dtype: cast by stack
+            lambda t: t.reshape((1,) + tuple(t.shape)),                           # another shape: stack refuses
+            lambda t: t.repeat_interleave(2)[::2].reshape(t.shape) if t.numel() else t[None],  # not contiguous
+            lambda t: t.numpy().copy(),                                           # an array, not a tensor
+            lambda t: t.float().requires_grad_(),                                 # stack(out=) refuses autograd
+            lambda t: torch.nn.Parameter(t.float(), requires_grad=False),         # a Tensor subclass
+            lambda t: t.to(torch.float16),
+            lambda t: t.clone(),                                                  # the same, another tensor
+        ][kind](leaf)
+    elif isinstance(leaf, np.ndarray):
         if kind == 2:
             fields[k] = leaf.reshape(-1).view(np.uint8)  # another dtype (and shape)
         elif kind == 3 and leaf.ndim:
@@ -270,6 +283,8 @@ TORCH_DTYPES = ["bool", "int8", "uint8", "int16", "int32", "int64", "float16", "
 torch_leaf_specs = st.one_of(
     st.tuples(st.just("array"), st.sampled_from(TORCH_DTYPES),
               st.lists(st.integers(0, 3), min_size=0, max_size=3).map(tuple)),
+    st.tuples(st.just("tensor"), st.sampled_from(TORCH_DTYPES),
+              st.lists(st.integers(0, 3), min_size=0, max_size=3).map(tuple)),
     st.tuples(st.sampled_from(["int", "float", "bool"])),
     st.tuples(st.just("scalar"), st.sampled_from([np.int64, np.int32, np.float32, np.float64, np.bool_])),
 )
@@ -352,7 +367,8 @@ def test_torch_loader_with_structures_changing_mid_epoch_gives_torchs_batches():
             return 103
 
         def __getitem__(self, i):
-            return (np.full((2, 3), i, np.float64 if i % 7 == 0 and i > 40 else np.float32), i, float(i) / 3)
+            return (np.full((2, 3), i, np.float64 if i % 7 == 0 and i > 40 else np.float32), i, float(i) / 3,
+                    torch.full((4,), i, dtype=torch.int32 if i % 9 == 0 and i > 60 else torch.int64))
 
     data = Data()
     with as_torch_worker():
