@@ -411,7 +411,8 @@ def number_column_dtype(list samples):
     """The dtype ``np.asarray(samples)`` gives when every sample is of one exact type:
     ``bool`` -> bool, ``int`` -> int64, ``float`` -> float64, one NumPy boolean,
     integer, floating or complex scalar type -> its dtype; None otherwise (mixed
-    types, other objects: the caller asks NumPy)."""
+    types, ``np.timedelta64`` whose unit each value carries, other objects: the
+    caller asks NumPy)."""
     cdef Py_ssize_t n = len(samples), k
     if n == 0:
         return None
@@ -430,6 +431,8 @@ def number_column_dtype(list samples):
         return _INT64
     if t is float:
         return _FLOAT64
+    if t is np.timedelta64:
+        return None  # its unit is in the value, not the type: NumPy converts mixed units
     if isinstance(samples[0], _NUMERIC_SCALARS):
         return cnp.PyArray_DescrFromScalar(samples[0])
     return None

@@ -77,7 +77,7 @@ def _field(leaf: Any, out: Any, batch_size: int, handed: dict) -> tuple | None:
         kind, want = _KINDS["float"], np.dtype(np.float64)
     elif t is bool:
         kind, want = _KINDS["bool"], np.dtype(np.bool_)
-    elif isinstance(leaf, _SCALAR_TYPES):
+    elif isinstance(leaf, _SCALAR_TYPES) and t is not np.timedelta64:  # (its unit is per value)
         kind, want = _KINDS["scalar"], leaf.dtype
     else:
         return None

@@ -161,3 +161,10 @@ def test_copy_rows_copies_uniform_rows_and_declines_what_it_cannot_copy():
     assert _hot.copy_rows([s[::2] for s in small], np.empty((32, 8), np.float32)) is False  # samples not contiguous
     assert _hot.copy_rows(small, np.empty((32, 16), np.float64)) is False       # another dtype: a cast
     assert _hot.copy_rows([], np.empty((0, 16), np.float32)) is False
+
+
+def test_timedelta_scalars_of_mixed_units_batch_as_numpy_converts_them():
+    """Regression: the column took the first scalar's unit and copied the others' raw
+    counts (1 s and 1 ms became [1, 1] s); NumPy converts them to the finer unit."""
+    check([np.timedelta64(1, "s"), np.timedelta64(1, "ms"), np.timedelta64(3, "s")])
+    check([np.timedelta64(1, "s"), np.timedelta64(2, "s")])

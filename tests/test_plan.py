@@ -380,3 +380,13 @@ def test_torch_loader_with_structures_changing_mid_epoch_gives_torchs_batches():
             assert len(got) == len(want) == 11
             for g, w in zip(got, want):
                 assert_same_batch(g, w)
+
+
+def test_timedelta_scalars_have_no_plan_their_unit_is_per_value(slot):
+    same = [(np.timedelta64(i, "s"), i) for i in range(4)]
+    assert not slot.load(same)[1]
+    assert not slot.load(same)[1]       # no plan was learnt for the timedelta column
+    mixed = [(np.timedelta64(i, "ms" if i % 2 else "s"), i) for i in range(4)]
+    got, planned = slot.load(mixed)
+    assert not planned
+    assert_same(got, gluon_numpy(mixed))
