@@ -44,8 +44,9 @@ PUBLISHED = _Published()
 #: Plans learnt in a row without one batch published by a plan, after which a
 #: worker stops learning (a structure that changes with every batch).
 MAX_UNUSED_PLANS = 8
-#: Plans kept per worker (one per batch size: the last batch of an epoch is often shorter).
-MAX_PLANS = 4
+#: Plans kept per worker (one per batch size -- the last batch of an epoch is often
+#: shorter -- and tail length: the torch face's batches with and without RNG states).
+MAX_PLANS = 8
 
 _SCALAR_TYPES = (np.number, np.bool_)
 _KINDS = _hot.PLAN_KINDS
@@ -94,40 +95,50 @@ OtherColumn = Callable[[Any, np.ndarray, int], Callable[[list, np.ndarray], bool
 
 
 class Plan:
-    """A :class:`mploader._hot.BatchPlan` and the columns a face fills itself."""
+    """A :class:`mploader._hot.BatchPlan`, the columns a face fills itself, and the
+    length of the descriptor's tail: the bytes of one ``bytes`` leaf that change
+    with every batch (the torch face's RNG states), the last of the descriptor."""
 
-    __slots__ = ("batch_size", "columns", "core", "in_tuple", "total")
+    __slots__ = ("batch_size", "columns", "core", "in_tuple", "tail", "total")
 
-    def __init__(self, core: Any, in_tuple: bool, columns: list[tuple]) -> None:
-        self.core, self.in_tuple, self.columns = core, in_tuple, columns
+    def __init__(self, core: Any, in_tuple: bool, columns: list[tuple], tail: int = 0) -> None:
+        self.core, self.in_tuple, self.columns, self.tail = core, in_tuple, columns, tail
         self.batch_size, self.total = core.batch_size, core.total
 
-    def fill(self, samples: list, writer: Any) -> bool:
-        """Write ``samples`` and the descriptor into ``writer``'s slot (True), or
-        decline (False; what was written is garbage the generic path overwrites)."""
+    def fill(self, samples: list, writer: Any, tail: bytes | None = None) -> bool:
+        """Write ``samples`` and the descriptor (ending with ``tail``, whose length is
+        the plan's) into ``writer``'s slot (True), or decline (False; what was written
+        is garbage the generic path overwrites)."""
         if not self.core.fill(samples, writer.base, writer.capacity):
             return False
         for j, fill, shape, dtype, offset in self.columns:
             leaves = [s[j] for s in samples] if self.in_tuple else samples
             if not fill(leaves, np.ndarray(shape, dtype, writer.mv, offset)):
                 return False
+        if tail:
+            writer.mv[self.total - len(tail):self.total] = tail
         return True
 
 
-def make_plan(samples: list, collated: Any, writer: Any, other: OtherColumn | None = None) -> Plan | None:
+def make_plan(samples: list, collated: Any, writer: Any, other: OtherColumn | None = None,
+              tail: bytes | None = None) -> Plan | None:
     """The :class:`Plan` of a batch the generic path has just published: ``samples``
     as the dataset returned them, ``collated`` what the collate rule made of them
     through ``writer.alloc``, ``writer`` the :class:`~mploader._descriptor.SlotWriter`
     whose ``finish`` published a batch whose descriptor depends on nothing but
-    ``collated``'s arrays (their dtypes, shapes and offsets).  ``other`` plans the
-    columns of leaves this module does not know.  None when the structure cannot be
-    planned (see the module's docstring)."""
+    ``collated``'s arrays (their dtypes, shapes and offsets) and, when given, the
+    ``tail`` bytes it ends with (the batch's one variable-length leaf, its last).
+    ``other`` plans the columns of leaves this module does not know.  None when the
+    structure cannot be planned (see the module's docstring)."""
     described = writer.described
     if described is None or type(samples) is not list or not samples:
         return None
     desc_off, desc_len, enc_flags = described
     if enc_flags or writer.mv is None:
         return None  # in-band pickles or strings: bytes that change with the batch
+    end = desc_off + desc_len
+    if tail and (len(tail) >= desc_len or writer.mv[end - len(tail):end] != tail):
+        return None  # the tail is not where the plan would write it
     first, batch_size = samples[0], len(samples)
     in_tuple = type(first) is tuple
     if in_tuple:
@@ -148,8 +159,9 @@ def make_plan(samples: list, collated: Any, writer: Any, other: OtherColumn | No
         if field is None:
             return None
         fields.append(field)
-    descriptor = bytes(writer.mv[desc_off:desc_off + desc_len])
-    return Plan(_hot.BatchPlan(batch_size, in_tuple, fields, descriptor, desc_off), in_tuple, columns)
+    descriptor = bytes(writer.mv[desc_off:end])
+    return Plan(_hot.BatchPlan(batch_size, in_tuple, fields, descriptor, desc_off), in_tuple, columns,
+                len(tail) if tail else 0)
 
 
 class Planner:
@@ -165,26 +177,28 @@ class Planner:
 
     def __init__(self, other: OtherColumn | None = None) -> None:
         self.other = other                  # the face's plans for other leaves (make_plan)
-        self.plans: dict[int, Plan] = {}    # batch size -> Plan
-        self.pending: tuple | None = None   # (samples, collated) of the batch being finished
+        self.plans: dict[tuple, Plan] = {}  # (batch size, tail length) -> Plan
+        self.pending: tuple | None = None   # (samples, collated, tail) of the batch being finished
         self.unused = 0                     # plans learnt since a plan last published a batch
 
-    def publish(self, samples: list, writer: Any) -> bool:
-        """Write and publish ``samples`` by the plan for their batch size; False
-        (nothing published) when there is none or they do not match it."""
+    def publish(self, samples: list, writer: Any, tail: bytes | None = None) -> bool:
+        """Write and publish ``samples`` by the plan for their batch size and the
+        length of ``tail`` (the descriptor's variable last bytes, see :class:`Plan`);
+        False (nothing published) when there is none or they do not match it."""
         if type(samples) is not list:
             return False  # (a dataset's __getitems__ may return another sequence)
-        plan = self.plans.get(len(samples))
-        if plan is None or not plan.fill(samples, writer):
+        plan = self.plans.get((len(samples), len(tail) if tail else 0))
+        if plan is None or not plan.fill(samples, writer, tail):
             return False
         writer.publish_plan(plan.core)
         self.unused = 0
         return True
 
-    def remember(self, samples: list, collated: Any) -> None:
-        """Keep the generic batch for :meth:`learn` (unless learning stopped)."""
+    def remember(self, samples: list, collated: Any, tail: bytes | None = None) -> None:
+        """Keep the generic batch for :meth:`learn` (unless learning stopped);
+        ``tail``: the bytes its descriptor ends with that change with every batch."""
         if self.unused < MAX_UNUSED_PLANS:
-            self.pending = (samples, collated)
+            self.pending = (samples, collated, tail)
 
     def forget(self) -> None:
         """Drop the remembered batch (it failed, or was not published in a slot)."""
@@ -195,10 +209,10 @@ class Planner:
         pending, self.pending = self.pending, None
         if pending is None:
             return
-        plan = make_plan(pending[0], pending[1], writer, self.other)
+        plan = make_plan(pending[0], pending[1], writer, self.other, pending[2])
         self.unused += 1
         if plan is None:
             return
         if len(self.plans) >= MAX_PLANS:
             self.plans.clear()
-        self.plans[plan.batch_size] = plan
+        self.plans[(plan.batch_size, plan.tail)] = plan

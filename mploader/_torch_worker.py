@@ -253,28 +253,30 @@ class CapturingFetch(Fetch):
         return (wid, payload, kind, rng)
 
     def planned(self, dataset: Any, indices: Any, writer: Any, planner: Planner) -> Any:
-        """:meth:`Fetch.planned` with the RNG states of ``__call__``: a batch goes by a
-        plan only when it sends no states (they are those of the previous batch).
-        The states are captured before collation, which draws nothing with torch's
-        own ``default_collate`` (the only rule with plans)."""
+        """:meth:`Fetch.planned` with the RNG states of ``__call__``; states that
+        changed since the previous batch are the last bytes of the descriptor, which
+        the plan writes after the recorded ones (a plan per tail length).  The states
+        are captured before collation, which draws nothing with torch's own
+        ``default_collate`` (the only rule with plans)."""
         if not self._plannable(dataset):
             return self(dataset, indices, writer.alloc)
         self._new_run()
         try:
             data = _map_samples(dataset, indices)
             rng = _rng_state.capture_if_changed(self._sent)
-            if rng is None:
-                if planner.publish(data, writer):
-                    return PUBLISHED
+            # (rng, when not None, ends the descriptor: a plan's tail, mploader._plan.Plan)
+            if planner.publish(data, writer, rng):
+                published = True
+            else:
+                published = False
                 payload = collate_into(data, writer.alloc)
-                planner.remember(data, payload)
-                return (_worker_id(), payload, ARRAYS, None)
-            payload = collate_into(data, writer.alloc)
+                planner.remember(data, payload, rng)
         except Exception as exc:
             self._failed(exc)
             raise
-        self._sent = rng
-        return (_worker_id(), payload, ARRAYS, rng)
+        if rng is not None:
+            self._sent = rng
+        return PUBLISHED if published else (_worker_id(), payload, ARRAYS, rng)
 
 
 #: ``_next_samples``' answer when the replica has no (full) batch left.

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import mploader
 import mploader.torch as mpt
 from mploader import _descriptor as D
-from mploader import _hot, _plan, _ring, _torch_collate, _torch_worker
+from mploader import _hot, _plan, _ring, _rng_state, _torch_collate, _torch_worker
 from mploader import _worker as mpl_worker
 from mploader.dataloader import BatchifyFetch
 
@@ -292,14 +292,14 @@ torch_leaf_specs = st.one_of(
 
 def torch_face_batch(slot, samples):
     """(what mploader.torch's parent makes of the batch, or the exception the worker
-    raised; whether a plan wrote it)."""
+    raised; whether a plan wrote it; the RNG states it carries)."""
     try:
         got, planned = slot.load(samples)
     except Exception as exc:  # noqa: BLE001 - compared with torch's
-        return exc, False
+        return exc, False, None
     wid, payload, kind, rng = got
-    assert kind == _torch_worker.ARRAYS and (rng is None or planned is False)
-    return _torch_collate.to_tensors(payload), planned
+    assert kind == _torch_worker.ARRAYS
+    return _torch_collate.to_tensors(payload), planned, rng
 
 
 @pytest.mark.parametrize("capturing", [True, False], ids=["torch seeding", "seed="])
@@ -320,7 +320,10 @@ def test_torch_face_batches_are_default_collates(monkeypatch, capturing, structu
             if change is not None:
                 where, how = change
                 samples[where % batch_size] = perturb(samples[where % batch_size], how, structure)
-            got, planned = torch_face_batch(slot, samples)
+            if capturing and b % 3 == 2:
+                torch.rand(1)  # the dataset drew: this batch carries new RNG states (a plan's tail)
+            got, planned, rng = torch_face_batch(slot, samples)
+            assert rng is None or rng == _rng_state.capture()
             try:
                 with as_torch_worker():
                     want = torch.utils.data.default_collate(samples)
@@ -335,9 +338,10 @@ def test_torch_face_batches_are_default_collates(monkeypatch, capturing, structu
         slot.close()
 
 
-def test_torch_face_plans_batches_only_while_the_rng_states_stay(monkeypatch):
-    """With torch's seeding a batch carries the worker's RNG states when they changed;
-    such a batch is not written by a plan (its descriptor holds the states)."""
+def test_torch_face_batches_with_new_rng_states_go_by_a_plan_of_their_own(monkeypatch):
+    """With torch's seeding a batch carries the worker's RNG states when they changed
+    since its previous batch: the states end its descriptor, and such batches have a
+    plan of their own that writes each batch's states (checked against capture())."""
     monkeypatch.setattr(mpl_worker, "task_epoch", 0)
     slot = OneSlot(fetch=_torch_worker.CapturingFetch(_torch_worker.DEFAULT, torch.utils.data.default_collate,
                                                       True, False))
@@ -346,16 +350,17 @@ def test_torch_face_plans_batches_only_while_the_rng_states_stay(monkeypatch):
             return [(np.full(4, b * 8 + i, np.float32), b * 8 + i) for i in range(8)]
 
         outcomes = []
-        for b in range(6):
-            if b == 3:
+        for b in range(7):
+            if b in (3, 5):
                 torch.rand(1)  # the dataset drew a number: this batch sends the states
             (wid, payload, kind, rng), planned = slot.load(samples(b))
             outcomes.append((rng is not None, planned))
+            assert rng is None or rng == _rng_state.capture()
             assert_same_batch(_torch_collate.to_tensors(payload), torch.utils.data.default_collate(samples(b)))
-        # batch 0 sends the run's states; 1 learns the plan; 3 sends new states; 4 learns again? no:
-        # the plan of batch 1 still matches, so 4 and 5 go by it
-        assert outcomes == [(True, False), (False, False), (False, True), (True, False), (False, True),
-                            (False, True)]
+        # batch 0 sends the run's states (a plan with states is learnt), 1 sends none (a
+        # plan without); from then on each batch goes by the plan of its kind
+        assert outcomes == [(True, False), (False, False), (False, True), (True, True), (False, True),
+                            (True, True), (False, True)]
     finally:
         slot.close()
 
