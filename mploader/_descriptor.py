@@ -97,7 +97,8 @@ class SlotWriter:
     or shrunk when it holds far more than the typical batch (after an outlier).
     """
 
-    __slots__ = ("base", "capacity", "described", "flags", "handed", "mv", "region", "sizing", "slot", "used")
+    __slots__ = ("base", "capacity", "described", "flags", "handed", "keep_descriptor", "mv", "region", "sizing",
+                 "slot", "used")
 
     def __init__(self, region: _ring.Region, slot: int, seq: int) -> None:
         self.region = region
@@ -105,8 +106,11 @@ class SlotWriter:
         self.flags = 0
         self.used = 0
         self.handed: dict[int, tuple] = {}  # id(array from alloc) -> (array, offset)
-        #: (desc_off, desc_len, encoder flags) once ``finish`` published a KIND_SLOT batch
-        self.described: tuple[int, int, int] | None = None
+        #: Set by the caller before ``finish`` when it wants ``described``: (desc_off,
+        #: encoder flags, the descriptor's bytes) of the KIND_SLOT batch ``finish``
+        #: published, taken before publication (mploader._plan learns from them).
+        self.keep_descriptor = False
+        self.described: tuple[int, int, bytes] | None = None
         capacity = region.begin(slot, seq)
         self.sizing = sizing = sizing_for(region)
         target = sizing.target_bytes()
@@ -180,10 +184,12 @@ class SlotWriter:
             n = len(b)
             mv[p:p + n] = b
             p += n
+        if kind == _ring.KIND_SLOT and self.keep_descriptor:
+            # Copied before E2: once published, the slot may be taken, freed and
+            # rewritten by another worker before this one reads it again.
+            self.described = (desc_off, enc.flags, bytes(mv[desc_off:total]))
         self.region.publish(self.slot, kind, self.flags | enc.flags, total, desc_off, desc_len)
         self.sizing.note(total)
-        if kind == _ring.KIND_SLOT:
-            self.described = (desc_off, desc_len, enc.flags)
         return None
 
     def publish_plan(self, plan: Any) -> None:

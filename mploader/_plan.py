@@ -125,19 +125,19 @@ def make_plan(samples: list, collated: Any, writer: Any, other: OtherColumn | No
     """The :class:`Plan` of a batch the generic path has just published: ``samples``
     as the dataset returned them, ``collated`` what the collate rule made of them
     through ``writer.alloc``, ``writer`` the :class:`~mploader._descriptor.SlotWriter`
-    whose ``finish`` published a batch whose descriptor depends on nothing but
-    ``collated``'s arrays (their dtypes, shapes and offsets) and, when given, the
+    whose ``finish`` published (with ``keep_descriptor`` set) a batch whose
+    descriptor depends on nothing but ``collated``'s arrays (their dtypes, shapes and
+    offsets) and, when given, the
     ``tail`` bytes it ends with (the batch's one variable-length leaf, its last).
     ``other`` plans the columns of leaves this module does not know.  None when the
     structure cannot be planned (see the module's docstring)."""
     described = writer.described
     if described is None or type(samples) is not list or not samples:
         return None
-    desc_off, desc_len, enc_flags = described
+    desc_off, enc_flags, descriptor = described  # (copied before publication: the slot may be reused since)
     if enc_flags or writer.mv is None:
         return None  # in-band pickles or strings: bytes that change with the batch
-    end = desc_off + desc_len
-    if tail and (len(tail) >= desc_len or writer.mv[end - len(tail):end] != tail):
+    if tail and (len(tail) >= len(descriptor) or not descriptor.endswith(tail)):
         return None  # the tail is not where the plan would write it
     first, batch_size = samples[0], len(samples)
     in_tuple = type(first) is tuple
@@ -159,7 +159,6 @@ def make_plan(samples: list, collated: Any, writer: Any, other: OtherColumn | No
         if field is None:
             return None
         fields.append(field)
-    descriptor = bytes(writer.mv[desc_off:end])
     return Plan(_hot.BatchPlan(batch_size, in_tuple, fields, descriptor, desc_off), in_tuple, columns,
                 len(tail) if tail else 0)
 

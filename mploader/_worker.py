@@ -284,6 +284,8 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
                 if planner is not None:
                     planner.forget()
         if batch is not PUBLISHED:  # (else a plan wrote and published it: mploader._plan)
+            if writer is not None and planner is not None and planner.pending is not None:
+                writer.keep_descriptor = True  # the plan is learnt from it (mploader._plan)
             try:
                 _deliver(send, writer, seq, kind, batch)
             except (pickle.PicklingError, TypeError, AttributeError, ValueError, struct.error) as exc:

@@ -51,6 +51,7 @@ class OneSlot:
         self.fetch = BatchifyFetch(None) if fetch is None else fetch
         self.planner = self.fetch.make_planner()
         self.seq = 0
+        self.before_learning = None   # runs between a generic batch's publication and learn()
 
     def load(self, samples):
         self.seq += 1
@@ -65,8 +66,11 @@ class OneSlot:
             raise
         planned = batch is _plan.PUBLISHED
         if not planned:
+            writer.keep_descriptor = self.planner.pending is not None   # as the worker loop
             assert writer.finish(batch) is None
             del batch
+            if self.before_learning is not None:
+                self.before_learning()
             if self.planner.pending is not None:
                 self.planner.learn(writer)
         lease = self.region.wait(0, 0)
@@ -395,3 +399,29 @@ def test_timedelta_scalars_have_no_plan_their_unit_is_per_value(slot):
     got, planned = slot.load(mixed)
     assert not planned
     assert_same(got, gluon_numpy(mixed))
+
+
+def test_a_plan_is_learnt_from_the_descriptor_as_written_not_as_the_slot_holds_it_later(slot):
+    """Regression: the plan read the descriptor back from the slot after publishing it;
+    by then the parent may have taken and freed the slot and another worker written
+    its own batch there (seen as a batch of worker 1 arriving with worker 0's id in
+    the torch face).  Here the slot is taken and rewritten with another structure's
+    batch between the publication and learn()."""
+    def rewrite():
+        slot.region.wait(0, 0)   # the parent takes the batch and drops it: the slot is free
+        slot.seq += 1
+        slot.region.assign(0, slot.seq)
+        other = D.SlotWriter(slot.region, 0, slot.seq)
+        assert other.finish([np.arange(7, dtype=np.int16), "another worker's batch"]) is None
+
+    def batch(start):
+        return [(start + i, np.full(3, start + i, np.float32)) for i in range(4)]
+
+    slot.before_learning = rewrite
+    got, planned = slot.load(batch(0))  # (what load reads back is the rewritten batch)
+    assert not planned and got[1] == "another worker's batch"
+    slot.before_learning = None
+    for start in (10, 20):
+        got, planned = slot.load(batch(start))
+        assert planned
+        assert_same(got, gluon_numpy(batch(start)))
