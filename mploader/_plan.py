@@ -199,14 +199,12 @@ class Planner:
         if self.unused < MAX_UNUSED_PLANS:
             self.pending = (samples, collated, tail)
 
-    def forget(self) -> None:
-        """Drop the remembered batch (it failed, or was not published in a slot)."""
-        self.pending = None
-
     def learn(self, writer: Any) -> None:
-        """Make the plan of the remembered batch, now published through ``writer``."""
+        """Make the plan of the remembered batch, now published through ``writer``;
+        only forget it when it was not published in the slot (``writer`` None or
+        without ``described``: an error, the pipe)."""
         pending, self.pending = self.pending, None
-        if pending is None:
+        if pending is None or writer is None or writer.described is None:
             return
         plan = make_plan(pending[0], pending[1], writer, self.other, pending[2])
         self.unused += 1

@@ -151,9 +151,6 @@ class Fetch:
             data = _map_samples(dataset, indices)
         else:
             data = dataset[indices]
-        return self._collate(wid, data, alloc)
-
-    def _collate(self, wid: int, data: Any, alloc: Callable) -> tuple[int, Any, int, bytes | None]:
         if self.mode == DEFAULT and stock_default_collate():
             return (wid, collate_into(data, alloc), ARRAYS, None)
         if self.mode == CONVERT:
@@ -168,18 +165,24 @@ class Fetch:
     def _plannable(self, dataset: Any) -> bool:
         return not isinstance(dataset, IterableDataset) and stock_default_collate()
 
+    def _states(self) -> bytes | None:
+        """The RNG states a batch carries (none here; :class:`CapturingFetch`)."""
+        return None
+
     def planned(self, dataset: Any, indices: Any, writer: Any, planner: Planner) -> Any:
         """As ``__call__`` into ``writer``'s slot, by ``planner``'s plan when the batch
-        matches one (then already published: returns :data:`~mploader._plan.PUBLISHED`)."""
+        matches one (then already published: returns :data:`~mploader._plan.PUBLISHED`).
+        RNG states a batch carries end its descriptor: the plan writes them after the
+        recorded bytes (a plan per their length, :class:`mploader._plan.Plan`)."""
         if not self._plannable(dataset):
             return self(dataset, indices, writer.alloc)
-        wid = _worker_id()
         data = _map_samples(dataset, indices)
-        if planner.publish(data, writer):
+        rng = self._states()
+        if planner.publish(data, writer, rng):
             return PUBLISHED
         payload = collate_into(data, writer.alloc)
-        planner.remember(data, payload)
-        return (wid, payload, ARRAYS, None)
+        planner.remember(data, payload, rng)
+        return (_worker_id(), payload, ARRAYS, rng)
 
     def _next_samples(self, dataset: Any, indices: Any) -> Any:
         _, epoch, n = indices
@@ -252,31 +255,22 @@ class CapturingFetch(Fetch):
         self._sent = rng
         return (wid, payload, kind, rng)
 
+    def _states(self) -> bytes | None:
+        # Captured before collation, which draws nothing with torch's own
+        # default_collate (the only rule with plans).
+        rng = _rng_state.capture_if_changed(self._sent)
+        if rng is not None:
+            self._sent = rng
+        return rng
+
     def planned(self, dataset: Any, indices: Any, writer: Any, planner: Planner) -> Any:
-        """:meth:`Fetch.planned` with the RNG states of ``__call__``; states that
-        changed since the previous batch are the last bytes of the descriptor, which
-        the plan writes after the recorded ones (a plan per tail length).  The states
-        are captured before collation, which draws nothing with torch's own
-        ``default_collate`` (the only rule with plans)."""
-        if not self._plannable(dataset):
-            return self(dataset, indices, writer.alloc)
+        """:meth:`Fetch.planned` with the RNG states of ``__call__``."""
         self._new_run()
         try:
-            data = _map_samples(dataset, indices)
-            rng = _rng_state.capture_if_changed(self._sent)
-            # (rng, when not None, ends the descriptor: a plan's tail, mploader._plan.Plan)
-            if planner.publish(data, writer, rng):
-                published = True
-            else:
-                published = False
-                payload = collate_into(data, writer.alloc)
-                planner.remember(data, payload, rng)
+            return super().planned(dataset, indices, writer, planner)
         except Exception as exc:
             self._failed(exc)
             raise
-        if rng is not None:
-            self._sent = rng
-        return PUBLISHED if published else (_worker_id(), payload, ARRAYS, rng)
 
 
 #: ``_next_samples``' answer when the replica has no (full) batch left.

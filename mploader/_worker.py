@@ -281,8 +281,6 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
                 batch = BatchFailure.capture(exc, seq, indices, wid)
                 kind = _ring.KIND_ERROR
                 del exc
-                if planner is not None:
-                    planner.forget()
         if batch is not PUBLISHED:  # (else a plan wrote and published it: mploader._plan)
             if writer is not None and planner is not None and planner.pending is not None:
                 writer.keep_descriptor = True  # the plan is learnt from it (mploader._plan)
@@ -294,13 +292,8 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
                 failure = BatchFailure.capture(exc, seq, indices, wid,
                                                stage="serialising (the batch could not be serialised)")
                 _deliver(send, writer, seq, _ring.KIND_ERROR, failure)
-                if planner is not None:
-                    planner.forget()
-            if planner is not None and planner.pending is not None:
-                if writer is not None and writer.described is not None:
-                    planner.learn(writer)
-                else:
-                    planner.forget()
+            if planner is not None:
+                planner.learn(writer)  # (forgets the batch unless it was published in the slot)
         if meter is not None:
             meter.stop()
         del batch, writer, alloc, task, indices

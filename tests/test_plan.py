@@ -60,8 +60,7 @@ class OneSlot:
         try:
             batch = self.fetch.planned(samples, range(len(samples)), writer, self.planner)
         except Exception:
-            self.planner.forget()  # as the worker: the slot carries the error, the parent frees it
-            self.region.publish(0, _ring.KIND_ERROR, 0, 0)
+            self.region.publish(0, _ring.KIND_ERROR, 0, 0)  # as the worker: the slot carries the error
             self.region.wait(0, 0)  # the lease, dropped at once: the slot is free again
             raise
         planned = batch is _plan.PUBLISHED
@@ -71,8 +70,7 @@ class OneSlot:
             del batch
             if self.before_learning is not None:
                 self.before_learning()
-            if self.planner.pending is not None:
-                self.planner.learn(writer)
+            self.planner.learn(writer)
         lease = self.region.wait(0, 0)
         got = D.decode(lease, lease.desc_off, lease.desc_len, copy=True)
         del lease
@@ -117,6 +115,15 @@ def make_leaf(spec, value):
     if kind == "bool":
         return value % 2 == 0
     return spec[1](value % 100)
+
+
+def perturbed_batch(structure, batch_size, b, change):
+    """Batch ``b``'s samples; ``change`` (or None): (which sample, how) to perturb."""
+    samples = [make_sample(structure, 10 * b + i) for i in range(batch_size)]
+    if change is not None:
+        where, how = change
+        samples[where % batch_size] = perturb(samples[where % batch_size], how, structure)
+    return samples
 
 
 def make_sample(structure, value):
@@ -183,10 +190,7 @@ def test_every_batch_is_gluons_batch_of_its_samples(structure, batch_size, chang
     try:
         planned_batches = 0
         for b, change in enumerate(changes):
-            samples = [make_sample(structure, 10 * b + i) for i in range(batch_size)]
-            if change is not None:
-                where, how = change
-                samples[where % batch_size] = perturb(samples[where % batch_size], how, structure)
+            samples = perturbed_batch(structure, batch_size, b, change)
             got, planned = slot.load(samples)
             assert_same(got, gluon_numpy(samples))
             planned_batches += planned
@@ -320,10 +324,7 @@ def test_torch_face_batches_are_default_collates(monkeypatch, capturing, structu
     try:
         planned_batches = 0
         for b, change in enumerate(changes):
-            samples = [make_sample(structure, 10 * b + i) for i in range(batch_size)]
-            if change is not None:
-                where, how = change
-                samples[where % batch_size] = perturb(samples[where % batch_size], how, structure)
+            samples = perturbed_batch(structure, batch_size, b, change)
             if capturing and b % 3 == 2:
                 torch.rand(1)  # the dataset drew: this batch carries new RNG states (a plan's tail)
             got, planned, rng = torch_face_batch(slot, samples)
