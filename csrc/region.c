@@ -106,7 +106,7 @@ int mpl_region_create(mpl_region *r, uint32_t nslots, uint64_t slot_bytes, uint6
         reserve_bytes = 4 * initial;
     reserve_bytes = round_up(reserve_bytes, MPL_PAGE);
 
-    int fd = memfd_create("mploader-ring", MFD_CLOEXEC);
+    int fd = mpl_fd_off_stdio(memfd_create("mploader-ring", MFD_CLOEXEC));
     if (fd < 0)
         return MPL_ESYS;
     uint8_t *base = mmap(NULL, reserve_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
@@ -187,7 +187,7 @@ int mpl_region_attach(mpl_region *r, int fd, uint64_t *found_magic, uint32_t *fo
         errno = EINVAL;
         return MPL_EINVAL;
     }
-    int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    int own = fcntl(fd, F_DUPFD_CLOEXEC, 3); /* >= 3: never a standard stream (mpl_fd_off_stdio) */
     if (own < 0)
         return MPL_ESYS;
     uint8_t *base = mmap(NULL, c.reserve_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, own, 0);

@@ -114,7 +114,8 @@ typedef struct mpl_region {
 /* Create a region of `nslots` slots with `slot_bytes` of payload each (0 allowed:
  * slots are then sized on first use by mpl_slot_grow), inside a mapping of
  * `reserve_bytes` of address space (0 picks 16 GiB; raised to at least 4x the
- * initial size).  All pages are faulted in.
+ * initial size).  All pages are faulted in.  The memfd is close-on-exec and never
+ * a standard stream (>= 3, mpl_fd_off_stdio).
  * On success returns 0 and fills *r; on failure returns MPL_EINVAL (nslots not in
  * 1..MPL_MAX_SLOTS, slot_bytes > MPL_MAX_SLOT_BYTES, reserve_bytes or 4x the initial
  * size > MPL_MAX_RESERVE_BYTES), MPL_ENOSPACE (the initial size exceeds physical
@@ -125,7 +126,7 @@ int mpl_region_create(mpl_region *r, uint32_t nslots, uint64_t slot_bytes,
 /* Map an existing region from its memfd `fd` (a spawned worker that received it).
  * Reads the control block with pread first (no mapping of a file that is not a
  * region), checks magic, layout version and layout fields, then maps a duplicate
- * of fd (F_DUPFD_CLOEXEC; the caller keeps and closes its own fd).
+ * of fd (F_DUPFD_CLOEXEC, >= 3; the caller keeps and closes its own fd).
  * On success returns 0 and fills *r.  On failure leaves r->fd == -1, r->base ==
  * NULL and returns MPL_EMAGIC (*found_magic set), MPL_EVERSION (*found_version
  * set), MPL_EINVAL (nslots/reserve/headers fields out of range, or the file is
@@ -254,9 +255,37 @@ int mpl_slot_publish(mpl_region *r, uint32_t slot, uint32_t kind, uint32_t flags
 /* In a worker: watch the parent *process* `parent_pid` (not the thread that forked
  * us, unlike PR_SET_PDEATHSIG) through a pidfd polled by a detached thread, which
  * SIGKILLs this process as soon as the parent has exited.  Exits at once (_exit(1))
- * if the parent is already gone.  Returns 0 or MPL_ESYS (pidfd_open or
- * pthread_create failed; errno set). */
-int mpl_watch_parent(pid_t parent_pid);
+ * if the parent is already gone.
+ * `lifeline_fd`: -1, or the read end of a pipe whose write end only the parent holds
+ * (the caller has closed every copy of the write end in this process).  Where
+ * pidfd_open is refused (mpl_pidfd_refused: seccomp, a kernel before 5.3) the thread
+ * polls a duplicate of it instead (>= 3, close-on-exec; the caller keeps and closes
+ * its own): EOF or POLLHUP when the parent has died; where the parent is our parent,
+ * also every 250 ms whether getppid() still returns it (a copy of the write end in
+ * some other child of the parent then delays nothing).
+ * Returns 0, or MPL_ESYS (errno set: pidfd_open's when it failed otherwise, or was
+ * refused and lifeline_fd is -1; fcntl's, malloc's or pthread_create's). */
+int mpl_watch_parent(pid_t parent_pid, int lifeline_fd);
+
+/* A pidfd of process `pid` (pidfd_open), moved off the standard streams
+ * (mpl_fd_off_stdio), close-on-exec.  The environment variable
+ * MPLOADER_TEST_REFUSE_PIDFD (tests only) simulates a refusal: "EPERM" gives EPERM,
+ * any other non-empty value ENOSYS.
+ * On success returns the descriptor (>= 3); on failure -1, errno set. */
+int mpl_pidfd_open(pid_t pid);
+
+/* 1 if `err` (an errno of pidfd_open) means the call is refused here -- ENOSYS,
+ * EPERM, EACCES (seccomp filters, kernels before 5.3) -- rather than failed. */
+int mpl_pidfd_refused(int err);
+
+/* Keep a new descriptor off the standard streams: where `fd` is 0, 1 or 2 (a
+ * process started with them closed hands them out first, and a print would then
+ * write into the ring or a pipe), move it to the lowest free descriptor >= 3,
+ * close-on-exec (F_DUPFD_CLOEXEC), and close `fd`.
+ * On success returns a descriptor >= 3 (`fd` itself, unchanged, if it was >= 3, or
+ * `fd` if it was negative); on failure returns -1, errno set (EMFILE), and `fd` is
+ * closed. */
+int mpl_fd_off_stdio(int fd);
 
 #ifdef __cplusplus
 }

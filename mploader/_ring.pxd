@@ -95,7 +95,10 @@ cdef extern from "ring.h" nogil:
     int mpl_slot_shrink(mpl_region *r, uint32_t slot, uint64_t need)
     int mpl_slot_publish(mpl_region *r, uint32_t slot, uint32_t kind, uint32_t flags,
                          uint64_t used, uint64_t desc_off, uint64_t desc_len)
-    int mpl_watch_parent(pid_t parent_pid)
+    int mpl_watch_parent(pid_t parent_pid, int lifeline_fd)
+    int mpl_pidfd_open(pid_t pid)
+    int mpl_pidfd_refused(int err)
+    int mpl_fd_off_stdio(int fd)
 
 
 cdef class Region:

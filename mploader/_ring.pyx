@@ -239,27 +239,90 @@ cdef str _state_name(uint32_t st):
     return STATE_NAMES.get(st, f"state {st}")
 
 
-def watch_parent(parent_pid):
+def watch_parent(parent_pid, lifeline_fd=-1):
     """In a worker: die (SIGKILL) as soon as the parent *process* ``parent_pid`` exits.
 
     Opens a pidfd of the parent and polls it from a detached C thread (no GIL, all
     signals blocked).  Unlike PR_SET_PDEATHSIG it does not fire when the thread that
     forked the worker exits.  Exits at once (status 1) if the parent is already gone.
 
+    ``lifeline_fd``: -1, or the read end of a pipe whose write end only the parent
+    holds (this process has closed its copies).  Where ``pidfd_open`` is refused
+    (:func:`pidfd_refused`: a seccomp filter, a kernel before 5.3) the thread polls
+    its own duplicate of it instead: EOF when the parent dies, and where the parent
+    is this process's parent, ``getppid()`` every 250 ms.  The caller keeps (and
+    closes) ``lifeline_fd``.
+
     Raises
     ------
     TypeError / ValueError
-        ``parent_pid`` is not a positive int.
-    OSError
-        ``pidfd_open`` or ``pthread_create`` failed.
+        ``parent_pid`` is not a positive int, or ``lifeline_fd`` not an int >= -1.
+    PermissionError / OSError
+        ``pidfd_open`` was refused and no ``lifeline_fd`` was given (the message says
+        so), or ``pidfd_open``, ``fcntl`` or ``pthread_create`` failed.
     """
     parent_pid = _as_int("parent_pid", parent_pid)
+    lifeline_fd = _as_int("lifeline_fd", lifeline_fd)
     if not 0 < parent_pid <= 0x7fffffff:
         raise ValueError(f"parent_pid must be a positive process id, got {parent_pid}")
-    cdef int rc = mpl_watch_parent(<pid_t>parent_pid)
+    if not -1 <= lifeline_fd <= 0x7fffffff:
+        raise ValueError(f"lifeline_fd must be a file descriptor or -1, got {lifeline_fd}")
+    cdef int rc = mpl_watch_parent(<pid_t>parent_pid, <int>lifeline_fd)
     cdef int err = errno
     if rc != MPL_OK:
-        raise OSError(err, f"watch_parent({parent_pid}): {os.strerror(err)}")
+        if mpl_pidfd_refused(err) and lifeline_fd < 0:
+            raise OSError(err, f"watch_parent({parent_pid}): pidfd_open was refused ({os.strerror(err)}; a "
+                               f"seccomp filter or a kernel before 5.3) and no lifeline_fd was given to fall "
+                               f"back on")
+        raise OSError(err, f"watch_parent({parent_pid}, lifeline_fd={lifeline_fd}): {os.strerror(err)}")
+
+
+def pidfd_open(pid):
+    """A pidfd of process ``pid`` (``os.pidfd_open``), close-on-exec and >= 3 (never a
+    standard stream).  The caller closes it.  ``MPLOADER_TEST_REFUSE_PIDFD`` in the
+    environment (tests only) simulates a refusal (``EPERM`` or ``ENOSYS``).
+
+    Raises
+    ------
+    OSError
+        ``pidfd_open`` failed (ESRCH: no such process; ENOSYS/EPERM/EACCES: refused
+        here, see :func:`pidfd_refused`; EMFILE).
+    """
+    pid = _as_int("pid", pid)
+    if not 0 < pid <= 0x7fffffff:
+        raise ValueError(f"pid must be a positive process id, got {pid}")
+    cdef int fd = mpl_pidfd_open(<pid_t>pid)
+    cdef int err = errno
+    if fd < 0:
+        raise OSError(err, f"pidfd_open({pid}): {os.strerror(err)}")
+    return fd
+
+
+def pidfd_refused(int err):
+    """True if ``err`` (an errno of ``pidfd_open``) means the call is refused in this
+    process (ENOSYS, EPERM, EACCES: seccomp, old kernels) rather than failed."""
+    return bool(mpl_pidfd_refused(err))
+
+
+def fd_off_stdio(fd):
+    """``fd`` if it is >= 3; else a close-on-exec duplicate >= 3 (F_DUPFD_CLOEXEC), and
+    ``fd`` is closed.  Every descriptor mploader creates goes through this, so that a
+    process started with its standard streams closed never prints into one.
+
+    Raises
+    ------
+    OSError
+        The duplicate could not be made (EMFILE); ``fd`` is closed.
+    """
+    fd = _as_int("fd", fd)
+    if not 0 <= fd <= 0x7fffffff:
+        raise ValueError(f"fd must be a file descriptor, got {fd}")
+    cdef int orig = fd
+    cdef int out = mpl_fd_off_stdio(orig)
+    cdef int err = errno
+    if out < 0:
+        raise OSError(err, f"fd_off_stdio({orig}): {os.strerror(err)}")
+    return out
 
 
 def set_pdeathsig(int sig, int expected_ppid):

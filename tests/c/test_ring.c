@@ -37,6 +37,7 @@
 
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <inttypes.h>
 #include <poll.h>
 #include <pthread.h>
@@ -909,10 +910,14 @@ typedef struct {
     int pong_w;   /* the worker's answer */
     int info_w;   /* middle -> test: the worker's pid */
     int from_thread;
+    int line_r;   /* lifeline mode: the parent's lifeline (read end), else -1 */
+    int line_w;   /* lifeline mode: its write end, which the worker closes */
 } watch_args_t;
 
 static void watch_worker(watch_args_t *a, pid_t parent) {
-    if (mpl_watch_parent(parent) != MPL_OK)
+    if (a->line_w >= 0)
+        close(a->line_w);
+    if (mpl_watch_parent(parent, a->line_r) != MPL_OK)
         _exit(10);
     char c = 1;
     if (a->from_thread) {
@@ -940,14 +945,17 @@ static void *watch_fork_thread(void *arg) {
 
 /* watch_parent: the worker survives the exit of the *thread* that forked it, dies
  * (SIGKILL) within 1 s of its parent *process*, and exits at once when the parent is
- * already gone (reaped, or a zombie). */
-static void contract_watch_parent(void) {
-    snprintf(g_who, sizeof g_who, "contract/watch-parent");
+ * already gone (reaped, or a zombie).
+ * mode 0: pidfd.  mode 1: pidfd_open refused (MPLOADER_TEST_REFUSE_PIDFD), the
+ * parent's lifeline pipe instead.  mode 2: as 1, and another child of the parent
+ * (a "stray") holds the lifeline's write end too: getppid() must catch the exit. */
+static void contract_watch_parent_mode(int mode) {
+    snprintf(g_who, sizeof g_who, "contract/watch-parent/%s", mode == 0 ? "pidfd" : mode == 1 ? "lifeline" : "stray");
     if (prctl(PR_SET_CHILD_SUBREAPER, 1) != 0)
         die_sys("prctl(PR_SET_CHILD_SUBREAPER)");
-    int info[2], life[2], hold[2], ping[2], pong[2], go[2];
+    int info[2], life[2], hold[2], ping[2], pong[2], go[2], stray_go[2];
     if (pipe(info) != 0 || pipe(life) != 0 || pipe(hold) != 0 || pipe(ping) != 0 || pipe(pong) != 0 ||
-        pipe(go) != 0)
+        pipe(go) != 0 || pipe(stray_go) != 0)
         die_sys("pipe");
     fflush(NULL);
     pid_t a = fork();
@@ -960,7 +968,28 @@ static void contract_watch_parent(void) {
         close(hold[1]);
         close(pong[0]);
         close(go[1]);
-        watch_args_t wa = {life[1], hold[0], ping[0], pong[1], info[1], 1};
+        close(stray_go[1]);
+        int line[2] = {-1, -1};
+        if (mode > 0) {
+            if (pipe2(line, O_CLOEXEC) != 0)
+                _exit(5);
+            if (setenv("MPLOADER_TEST_REFUSE_PIDFD", mode == 1 ? "EPERM" : "ENOSYS", 1) != 0)
+                _exit(5);
+        }
+        if (mode == 2) { /* the stray: holds the lifeline's write end until told to go */
+            pid_t s = fork();
+            if (s < 0)
+                _exit(5);
+            if (s == 0) {
+                close(life[1]); /* the test sees the worker's end by EOF on life[0] */
+                char c;
+                ssize_t n = read(stray_go[0], &c, 1);
+                (void)n;
+                _exit(0);
+            }
+        }
+        close(stray_go[0]);
+        watch_args_t wa = {life[1], hold[0], ping[0], pong[1], info[1], 1, line[0], line[1]};
         pthread_t t;
         if (pthread_create(&t, NULL, watch_fork_thread, &wa) != 0 || pthread_join(t, NULL) != 0)
             _exit(6);
@@ -978,6 +1007,7 @@ static void contract_watch_parent(void) {
     close(ping[1]);
     close(pong[1]);
     close(go[0]);
+    close(stray_go[0]);
     pid_t b = -1;
     if (read(info[0], &b, sizeof b) != (ssize_t)sizeof b) {
         FAIL("no worker pid from the middle process");
@@ -1007,13 +1037,24 @@ static void contract_watch_parent(void) {
         CHECK(dead && WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL,
               "worker of a dead parent not killed within 1 s (after %" PRId64 " ms; status 0x%x)", (int64_t)(dt / MS), status);
     }
+    close(stray_go[1]); /* the stray (mode 2) exits; it was re-parented to us */
+    if (mode == 2 && waitpid(-1, &status, 0) < 0)
+        die_sys("waitpid stray");
     close(info[0]);
     close(life[0]);
     close(pong[0]);
     if (hold[1] >= 0)
         close(hold[1]);
+    if (prctl(PR_SET_CHILD_SUBREAPER, 0) != 0)
+        die_sys("prctl(PR_SET_CHILD_SUBREAPER, 0)");
+}
 
-    /* 3. A parent already reaped (ESRCH) and 4. a parent that is a zombie: exit(1) at once. */
+/* A parent already gone: exit(1) at once -- reaped (ESRCH) or a zombie (pidfd
+ * readable); with pidfd_open refused, a lifeline whose write end is closed.  And a
+ * refusal without a lifeline is an error (MPL_ESYS, the refusal's errno). */
+static void contract_watch_parent_gone(void) {
+    snprintf(g_who, sizeof g_who, "contract/watch-parent/gone");
+    int status;
     fflush(NULL);
     pid_t gone = fork();
     if (gone < 0)
@@ -1031,7 +1072,7 @@ static void contract_watch_parent(void) {
             die_sys("fork");
         if (w == 0) {
             g_is_child = 1;
-            int rc = mpl_watch_parent(gone);
+            int rc = mpl_watch_parent(gone, -1);
             _exit(rc == MPL_OK ? 20 : 21);
         }
         if (waitpid(w, &status, 0) != w)
@@ -1040,8 +1081,107 @@ static void contract_watch_parent(void) {
               "mpl_watch_parent of a %s parent: status 0x%x, expected exit status 1", reaped ? "reaped" : "zombie",
               status);
     }
-    if (prctl(PR_SET_CHILD_SUBREAPER, 0) != 0)
-        die_sys("prctl(PR_SET_CHILD_SUBREAPER, 0)");
+    /* Refused, lifeline closed by the parent: gone at once.  Refused, no lifeline:
+     * MPL_ESYS with the refusal's errno (ENOSYS, or EPERM as seccomp answers). */
+    for (int k = 0; k < 3; k++) {
+        int line[2];
+        if (pipe2(line, O_CLOEXEC) != 0)
+            die_sys("pipe2");
+        fflush(NULL);
+        pid_t w = fork();
+        if (w < 0)
+            die_sys("fork");
+        if (w == 0) {
+            g_is_child = 1;
+            close(line[1]);
+            if (setenv("MPLOADER_TEST_REFUSE_PIDFD", k == 2 ? "EPERM" : "1", 1) != 0)
+                _exit(24);
+            errno = 0;
+            int rc = mpl_watch_parent(getppid(), k == 0 ? line[0] : -1);
+            int want = k == 2 ? EPERM : ENOSYS;
+            _exit(rc == MPL_OK ? 20 : rc == MPL_ESYS && errno == want ? 22 : 23);
+        }
+        close(line[0]);
+        close(line[1]); /* k == 0: the lifeline's only write end is gone */
+        if (waitpid(w, &status, 0) != w)
+            die_sys("waitpid");
+        int want = k == 0 ? 1 : 22;
+        CHECK(WIFEXITED(status) && WEXITSTATUS(status) == want,
+              "mpl_watch_parent refused, %s: status 0x%x, expected exit status %d",
+              k == 0 ? "lifeline closed" : "no lifeline", status, want);
+    }
+}
+
+static void contract_watch_parent(void) {
+    for (int mode = 0; mode < 3; mode++)
+        contract_watch_parent_mode(mode);
+    contract_watch_parent_gone();
+}
+
+/* ---- descriptors kept off the standard streams --------------------------- */
+
+static int fd_cloexec(int fd) { return (fcntl(fd, F_GETFD) & FD_CLOEXEC) != 0; }
+
+/* With fds 0..2 closed (a daemonised process), every descriptor the ring creates
+ * -- the region's memfd, an attached region's duplicate, a pidfd, the watcher's
+ * lifeline duplicate -- is >= 3 and close-on-exec; mpl_fd_off_stdio moves a low one
+ * and leaves a high one alone.  Run in a child: it closes its standard streams. */
+static void contract_fds(void) {
+    snprintf(g_who, sizeof g_who, "contract/fds");
+    fflush(NULL);
+    pid_t c = fork();
+    if (c < 0)
+        die_sys("fork");
+    if (c == 0) {
+        g_is_child = 1;
+        int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
+        if (devnull < 0)
+            _exit(40);
+        int err = fcntl(2, F_DUPFD_CLOEXEC, 3); /* keep a stderr for failures below */
+        close(0);
+        close(1);
+        close(2);
+        mpl_region r, att;
+        if (mpl_region_create(&r, 2, 4096, 0) != MPL_OK)
+            _exit(41);
+        if (r.fd < 3 || !fd_cloexec(r.fd))
+            _exit(42);
+        uint64_t magic;
+        uint32_t version;
+        if (mpl_region_attach(&att, r.fd, &magic, &version) != MPL_OK)
+            _exit(43);
+        if (att.fd < 3 || !fd_cloexec(att.fd))
+            _exit(44);
+        int pfd = mpl_pidfd_open(getpid());
+        if (pfd < 3 || !fd_cloexec(pfd))
+            _exit(45);
+        int low = dup(devnull); /* 0: the lowest free */
+        if (low != 0)
+            _exit(46);
+        int moved = mpl_fd_off_stdio(low);
+        if (moved < 3 || !fd_cloexec(moved) || fcntl(0, F_GETFD) != -1 || errno != EBADF)
+            _exit(47);
+        if (mpl_fd_off_stdio(moved) != moved || mpl_fd_off_stdio(-1) != -1)
+            _exit(48);
+        /* The lifeline's duplicate: the watcher thread polls it; nothing at 0..2. */
+        int line[2];
+        if (pipe2(line, O_CLOEXEC) != 0 || setenv("MPLOADER_TEST_REFUSE_PIDFD", "1", 1) != 0)
+            _exit(49);
+        if (mpl_watch_parent(getppid(), line[0]) != MPL_OK)
+            _exit(50);
+        for (int fd = 0; fd < 3; fd++)
+            if (fcntl(fd, F_GETFD) != -1 && fd != line[0] && fd != line[1])
+                _exit(51 + fd);
+        (void)err;
+        mpl_region_unmap(&att);
+        mpl_region_unmap(&r);
+        _exit(0);
+    }
+    int status;
+    if (waitpid(c, &status, 0) != c)
+        die_sys("waitpid");
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+          "descriptors with fds 0..2 closed: child status 0x%x (see the _exit codes in contract_fds)", status);
 }
 
 /* ---- waiter bit --------------------------------------------------------- */
@@ -1472,6 +1612,7 @@ static void run_contract(void) {
     contract_preserve_gt_need();
     contract_populate();
     contract_watch_parent();
+    contract_fds();
     contract_waiter();
     contract_shrink();
     contract_take();
@@ -1683,7 +1824,7 @@ static void run_stress(const cfg_t *cfg, stats_t *stats) {
             for (int v = 0; v <= w; v++)
                 close(wfd[v]);
             close(ready[0]);
-            CHECK_RC(mpl_watch_parent(parent), MPL_OK);
+            CHECK_RC(mpl_watch_parent(parent, -1), MPL_OK);
             CHECK_RC(mpl_region_populate(&r), MPL_OK);
             char c = 1;
             if (write(ready[1], &c, 1) != 1)
