@@ -66,8 +66,10 @@ class _Resources:
         self.workers: list[WorkerProcess] = []
         self.busy: BusyCells | None = None    # the workers' busy counters (_metrics)
         self.owner_pid = os.getpid()
+        self.released = False   # release() has begun (close(), or the finalizer: gc or interpreter exit)
 
     def release(self, grace_s: float = CLOSE_GRACE_S) -> None:
+        self.released = True   # first: a next() in another thread that fails from here on knows why
         workers, self.workers = self.workers, []
         if os.getpid() != self.owner_pid:
             for w in workers:
@@ -337,8 +339,34 @@ class Engine:
             self._current = weakref.ref(run)  # weak: a run keeps its engine alive, not the reverse
             return run
 
+    def busy(self) -> bool:
+        """Whether a run of this engine is still under way: neither exhausted, ended by
+        an error, nor superseded (a new iterator of the face then needs workers of its
+        own, as each of torch's non-persistent iterators has)."""
+        run = self._current()
+        return run is not None and not run.done and not run.superseded
+
     def _next_batch(self, run: Run) -> None:
         with self._lock:
             self._check_usable()
-            self._scheduler.next_batch(run)
+            try:
+                self._scheduler.next_batch(run)
+            except Exception as exc:
+                if self._res.released and not self._closing:
+                    _released_under(exc)
+                raise
+
+
+def _released_under(exc: Exception) -> None:
+    """A ``next()`` failed because the engine's resources were released without
+    ``close()``: by its ``weakref.finalize`` at interpreter exit, while another thread
+    was still iterating (a run keeps its engine alive, so the collector cannot have
+    released it).  A daemon thread then waits quietly to be ended with the
+    interpreter (as torch's does), instead of printing a traceback of whatever the
+    teardown broke (a closed descriptor, a stopped worker); any other thread gets a
+    RuntimeError that says so."""
+    if threading.current_thread().daemon:
+        threading.Event().wait()   # never set: the interpreter ends this thread
+    raise RuntimeError("the loader's workers were stopped while this thread was iterating it "
+                       "(interpreter exit)") from exc
 

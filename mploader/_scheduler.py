@@ -836,10 +836,10 @@ class Run:
         return self
 
     def __next__(self) -> Any:
+        if self.done:  # first: an exhausted run stays exhausted (Python's iterator protocol)
+            raise StopIteration
         if self.superseded:
             raise RuntimeError("this iterator was superseded by a newer iteration of the same loader")
-        if self.done:
-            raise StopIteration
         meter = self._meter
         t0 = _clock()
         if t0 >= meter.tick_at:  # the run's first two calls, a window mark, a periodic report

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -201,16 +202,21 @@ class DataLoader:
         self._meter = _metrics.Meter()   # in-process loading only (the engine has its own)
         self._meter_counts = {"batches": 0}
         self._pinner: _pinning.HostPinner | None = None
+        self._start_method = start_method
         if options.num_workers > 0 and not options.thread_pool:
-            runtime = _pinning.cuda_runtime(self._pin_device_id) if self._pin_memory and not options.copy else None
-            if runtime is not None:
-                self._pinner = _pinning.HostPinner(*runtime)
-            on_grow = self._pinner.on_grow if self._pinner is not None else None
-            self._engine = _engine.Engine(dataset, self._fetch, on_grow=on_grow, start_method=start_method,
-                                          poll_held=self._pinner.poll if self._pinner is not None else None,
-                                          **options.engine_kwargs())
-            if self._pinner is not None:
-                weakref.finalize(self._engine, self._pinner.release)
+            self._engine, self._pinner = self._new_engine()
+
+    def _new_engine(self) -> tuple[_engine.Engine, _pinning.HostPinner | None]:
+        """An engine for the current options, and its pinner (None: not pinned)."""
+        options = self._options
+        runtime = _pinning.cuda_runtime(self._pin_device_id) if self._pin_memory and not options.copy else None
+        pinner = _pinning.HostPinner(*runtime) if runtime is not None else None
+        engine = _engine.Engine(self._dataset, self._fetch, on_grow=pinner.on_grow if pinner is not None else None,
+                                start_method=self._start_method,
+                                poll_held=pinner.poll if pinner is not None else None, **options.engine_kwargs())
+        if pinner is not None:
+            weakref.finalize(engine, pinner.release)
+        return engine, pinner
 
     def __len__(self) -> int:
         """Number of batches per epoch (``len(batch_sampler)``)."""
@@ -224,8 +230,15 @@ class DataLoader:
         progress, tasks = self._ckpt.start_epoch(epoch)
         options = self._options
         gen: Iterator[Any]
+        own = None
         if self._engine is not None:
-            gen = self._engine.run(tasks)
+            engine = self._engine
+            if engine.busy():
+                # Another iterator of this loader is still under way (a peek inside the
+                # training loop): this one runs on workers of its own, stopped when it
+                # ends, and the other goes on undisturbed (docs/faces.md, "Gluon").
+                engine = own = self._new_engine()[0]
+            gen = engine.run(tasks)
         elif options.thread_pool and options.num_workers > 0:
             gen = _metrics.MeteredRun(_engine.ThreadRun(self._dataset, self._fetch, tasks, options.num_workers,
                                                         options.in_flight, options.timeout_s),
@@ -233,7 +246,7 @@ class DataLoader:
         else:
             gen = _metrics.MeteredRun(_engine.InlineRun(self._dataset, self._fetch, tasks, options.base_seed),
                                       self._meter, self._meter_counts)
-        return _LoaderIter(gen, len(self), self._engine, progress)
+        return _LoaderIter(gen, len(self), self._engine, progress, own)
 
     # ---- checkpoints (issue 11; format in docs/design.md, "Checkpoint state") ----
 
@@ -363,22 +376,30 @@ class _LoaderIter:
     """One epoch of a :class:`DataLoader`; keeps the engine alive on its own."""
 
     def __init__(self, gen: Iterator[Any], length: int, engine: Any,
-                 progress: _state.MapProgress | None = None) -> None:
+                 progress: _state.MapProgress | None = None, own_engine: Any = None) -> None:
         self._gen = gen
         self._progress = progress
         self._len = length
         self._engine = engine
+        self._own_engine = own_engine   # workers started for this iterator alone (closed at its end)
+        self._lock = threading.Lock()   # one next() at a time (threads sharing the iterator)
 
     def __iter__(self) -> _LoaderIter:
         return self
 
     def __next__(self) -> Any:
+        with self._lock:   # threads sharing the iterator: each batch once, in order
+            return self._next()
+
+    def _next(self) -> Any:
         progress = self._progress
         try:
             batch = self._gen.__next__()  # not next(): no interrupt check after a Python-level call
         except StopIteration:
             if progress is not None:
                 progress.finished = True
+            if self._own_engine is not None:
+                self._own_engine.close()
             raise
         except BaseException as exc:
             if progress is not None and is_batch_error(exc):

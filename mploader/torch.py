@@ -30,6 +30,7 @@ import collections
 import inspect
 import multiprocessing
 import random
+import threading
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
@@ -170,25 +171,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
                self.worker_init_fn, bool(self.pin_memory))
         if self._mpl_engine is None or self._mpl_engine_key != key or self._mpl_engine.closed:
             self.close()
-            if self.collate_fn is default_collate and self._auto_collation:
-                mode = DEFAULT
-            elif self.collate_fn is default_convert and not self._auto_collation:
-                mode = CONVERT
-            else:
-                mode = CUSTOM
-            fetch = (CapturingFetch if self._mpl_seed is None else Fetch)(
-                mode, self.collate_fn, self._auto_collation, self.drop_last)
-            init = WorkerInit(self.dataset, self.worker_init_fn, per_batch=self._mpl_seed is not None)
-            pinner = self._mpl_host_pinner = self._mpl_pinner()
-            self._mpl_engine = _engine.Engine(
-                self.dataset, fetch, num_workers=self.num_workers,
-                prefetch=self.prefetch_factor * self.num_workers, shared_mem=self._mpl_shared_mem,
-                timeout_s=self.timeout or None, seed=self._mpl_seed or 0, copy=self._mpl_copy,
-                worker_init=init, reseed_per_batch=self._mpl_seed is not None, start_method=start_method,
-                on_grow=pinner.on_grow if pinner is not None else None, auto_prefetch=_auto_depth(self),
-                poll_held=pinner.poll if pinner is not None else None)
-            if pinner is not None:
-                weakref.finalize(self._mpl_engine, pinner.release)
+            self._mpl_engine, init, pinner = self._mpl_new_engine(start_method)
+            self._mpl_host_pinner = pinner
             self._mpl_pinned = pinner is not None
             self._mpl_engine_key = key
             if self._mpl_report is not None:
@@ -196,6 +180,34 @@ class DataLoader(_TorchDataLoader[_T_co]):
             self._mpl_init = init
         assert self._mpl_init is not None
         return self._mpl_engine, self._mpl_init
+
+    def _mpl_new_engine(self, start_method: str | None = None) -> tuple[_engine.Engine, WorkerInit, Any]:
+        """A new engine for this loader's current attributes, its ``WorkerInit`` and its
+        pinner (None: batches are not pinned).  ``start_method`` None: the one of the
+        loader's engine (an iterator's own engine: :meth:`_RingIter._reset`)."""
+        if start_method is None:
+            assert self._mpl_engine is not None
+            start_method = self._mpl_engine.start_method
+        if self.collate_fn is default_collate and self._auto_collation:
+            mode = DEFAULT
+        elif self.collate_fn is default_convert and not self._auto_collation:
+            mode = CONVERT
+        else:
+            mode = CUSTOM
+        fetch = (CapturingFetch if self._mpl_seed is None else Fetch)(
+            mode, self.collate_fn, self._auto_collation, self.drop_last)
+        init = WorkerInit(self.dataset, self.worker_init_fn, per_batch=self._mpl_seed is not None)
+        pinner = self._mpl_pinner()
+        engine = _engine.Engine(
+            self.dataset, fetch, num_workers=self.num_workers,
+            prefetch=self.prefetch_factor * self.num_workers, shared_mem=self._mpl_shared_mem,
+            timeout_s=self.timeout or None, seed=self._mpl_seed or 0, copy=self._mpl_copy,
+            worker_init=init, reseed_per_batch=self._mpl_seed is not None, start_method=start_method,
+            on_grow=pinner.on_grow if pinner is not None else None, auto_prefetch=_auto_depth(self),
+            poll_held=pinner.poll if pinner is not None else None)
+        if pinner is not None:
+            weakref.finalize(engine, pinner.release)
+        return engine, init, pinner
 
     def _mpl_pinner(self) -> _pinning.HostPinner | None:
         """With ``pin_memory`` and a usable CUDA device (and not ``copy``): a pinner that
@@ -332,13 +344,17 @@ class _RingIter(_BaseDataLoaderIter):
             raise AssertionError("prefetch_factor must be greater than 0 for MultiProcessingDataLoaderIter")
         self._is_iterable = isinstance(self._dataset, IterableDataset)
         self._engine: _engine.Engine | None = None
+        self._own_engine = False   # the engine is this iterator's alone (see _reset)
         self._run: Any = None
         self._mpl_streams: _torch_state.WorkerStreams | None = None
+        self._mpl_ended = False    # StopIteration was raised (again on every later next())
+        self._mpl_lock = threading.Lock()   # one next() at a time (threads sharing the iterator)
         self._reset(loader, first_iter=True)
 
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         super()._reset(loader, first_iter)
         engine = self._engine
+        pinned = loader._mpl_pinned
         resume = _torch_state.worker_resume(loader)   # a checkpoint's workers (torch's seeding)
         if first_iter or not self._persistent_workers or engine is None or engine.closed or resume is not None:
             # New workers for this iterator, seeded from this iterator's base seed
@@ -346,7 +362,17 @@ class _RingIter(_BaseDataLoaderIter):
             # as torch's, ignore later changes to the loader's attributes) -- or
             # from the checkpoint's base seed and RNG states.
             engine, init = loader._mpl_get_engine()
-            engine.stop_workers()
+            self._own_engine = not self._persistent_workers and engine.busy()
+            if self._own_engine:
+                # Another iterator of this loader is still under way (a peek inside
+                # the training loop): as each of torch's non-persistent iterators,
+                # this one gets workers of its own, closed when it ends, and the
+                # other goes on undisturbed.
+                engine, init, pinner = loader._mpl_new_engine()
+                pinned = pinner is not None
+            else:
+                engine.stop_workers()
+                pinned = loader._mpl_pinned
             if resume is not None:
                 self._base_seed = resume["base_seed"]
             init.base_seed = self._base_seed
@@ -356,7 +382,8 @@ class _RingIter(_BaseDataLoaderIter):
         elif self._mpl_streams is not None:
             self._mpl_streams.new_epoch()
         self._engine = engine
-        self._pinned_region = loader._mpl_pinned
+        self._mpl_ended = False
+        self._pinned_region = pinned
         self._dispatch = _Dispatch(self._num_workers, self._prefetch_factor, self._in_order)
         if resume is not None:
             self._dispatch.resume(resume["assigned"], resume["next_worker"])
@@ -375,20 +402,26 @@ class _RingIter(_BaseDataLoaderIter):
         # here the span is opened only while a profiler is enabled (docs/faces.md).
         # IterableDatasets and the first call after exhaustion keep torch's own path
         # (its length-mismatch warning, its _reset call).
-        if self._is_iterable or self._sampler_iter is None or _profiler_enabled():
-            return super().__next__()
-        data = self._next_data()
-        self._num_yielded += 1
-        return data
+        with self._mpl_lock:   # threads sharing the iterator: each batch once, in order
+            if self._is_iterable or self._sampler_iter is None or _profiler_enabled():
+                return super().__next__()
+            data = self._next_data()
+            self._num_yielded += 1
+            return data
 
     def _next_data(self) -> Any:
         pos = self._mpl_pos
         while True:
+            if self._mpl_ended:
+                raise StopIteration   # exhausted: again, as torch's (its workers may serve a newer iterator)
             try:
                 wid, payload, kind, rng = next(self._run)
             except StopIteration:
+                self._mpl_ended = True
                 pos.finish()
-                if not self._persistent_workers and self._engine is not None:
+                if self._own_engine and self._engine is not None:
+                    self._engine.close()
+                elif not self._persistent_workers and self._engine is not None:
                     self._engine.stop_workers()
                 raise
             except TimeoutError as exc:
