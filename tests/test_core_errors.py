@@ -183,21 +183,26 @@ class BlocksAfterFirstBatch:
         return sample(i)
 
 
-def test_sigkill_worker_raises_worker_error_within_1s():
+def kill_a_blocked_worker(dl):
+    """SIGKILL a worker while the next batch waits on the workers (blocked for ever):
+    the WorkerError and the seconds next() took to raise it."""
+    it = iter(dl)
+    check_batch(next(it), [0, 1])
+    pids = dl.worker_pids()
+    assert len(pids) == 2
+    os.kill(pids[0], signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(mploader.WorkerError) as info:
+        next(it)
+    return it, pids[0], info.value, time.monotonic() - start
+
+
+def test_sigkill_worker_raises_worker_error_without_a_timeout():
+    """The death is noticed as such: there is no timeout to run out (timeout=None, the
+    workers block for ever), and the error names the process and its batch."""
     ds = BlocksAfterFirstBatch(20, 2)
-    with mploader.DataLoader(ds, batch_size=2, num_workers=2, timeout=30, seed=0) as dl:
-        it = iter(dl)
-        check_batch(next(it), [0, 1])
-        pids = dl.worker_pids()
-        assert len(pids) == 2
-        victim = pids[0]
-        os.kill(victim, signal.SIGKILL)
-        start = time.monotonic()
-        with pytest.raises(mploader.WorkerError) as info:
-            next(it)
-        elapsed = time.monotonic() - start
-        assert elapsed < 1.0, f"WorkerError took {elapsed:.3f} s after the kill"
-        exc = info.value
+    with mploader.DataLoader(ds, batch_size=2, num_workers=2, timeout=None, seed=0) as dl:
+        it, victim, exc, _ = kill_a_blocked_worker(dl)
         assert exc.pid == victim
         assert exc.signal == signal.SIGKILL and exc.exitcode is None
         msg = str(exc)
@@ -206,7 +211,7 @@ def test_sigkill_worker_raises_worker_error_within_1s():
         assert exc.batch is not None and f"batch {exc.batch}" in msg
         assert exc.indices == [2 * exc.batch, 2 * exc.batch + 1]
         assert not psutil.pid_exists(victim) or psutil.Process(victim).status() == psutil.STATUS_ZOMBIE
-        del it, info, exc
+        del it, exc
 
         # The loader recovers: the next epoch forks new workers (which no longer block).
         ds.block = False
@@ -215,6 +220,14 @@ def test_sigkill_worker_raises_worker_error_within_1s():
         del batch
         assert k == 9
         assert victim not in dl.worker_pids() and len(dl.worker_pids()) == 2
+
+
+@pytest.mark.timing
+def test_sigkill_worker_raises_worker_error_within_1s():
+    with mploader.DataLoader(BlocksAfterFirstBatch(20, 2), batch_size=2, num_workers=2, timeout=30, seed=0) as dl:
+        it, _, _, elapsed = kill_a_blocked_worker(dl)
+        assert elapsed < 1.0, f"WorkerError took {elapsed:.3f} s after the kill"
+        del it
 
 
 class DiesAt:
@@ -263,7 +276,7 @@ def test_timeout_names_batch_and_worker():
         with pytest.raises(TimeoutError) as info:
             next(it)
         elapsed = time.monotonic() - start
-        assert 0.5 <= elapsed < 5, elapsed
+        assert elapsed >= 0.5, elapsed  # never early (a hang is the module's timeout)
         msg = str(info.value)
         assert "batch 1" in msg and "[2, 3]" in msg, msg
         assert "0.5 s" in msg
@@ -316,12 +329,13 @@ def test_workers_die_with_sigkilled_parent(state):
         assert all(w.ppid() == parent.pid and alive(w) for w in workers)
         parent.kill()
         parent.wait()
-        start = time.monotonic()
-        deadline = start + 1.0
+        # The workers go on their own (the kernel tells them); the deadline only stops a
+        # test whose workers stay, and is generous for a busy machine.
+        deadline = time.monotonic() + 30
         while any(alive(w) for w in workers) and time.monotonic() < deadline:
-            time.sleep(0.01)  # polling a condition against a deadline
+            time.sleep(0.01)  # polling the OS against a deadline, not synchronising
         survivors = [w.pid for w in workers if alive(w)]
-        assert not survivors, f"workers {survivors} outlived their SIGKILLed parent by 1 s"
+        assert not survivors, f"workers {survivors} outlived their SIGKILLed parent by 30 s"
     finally:
         for w in workers:
             try:

@@ -210,18 +210,28 @@ def test_a_raising_handler_around_defer_signals_never_leaves_signals_blocked():
 
 
 def test_in_order_false_delivers_every_batch_once():
+    import multiprocessing
+
     class Uneven(Arange):
+        """Batch 0 waits until another batch reached the parent: later batches overtake it."""
+
+        overtaken = multiprocessing.get_context("fork").Event()
+
         def __getitem__(self, i):
             if i < 2:
-                time.sleep(0.2)  # batch 0 is slow: later batches overtake it
+                assert self.overtaken.wait(60), "no batch overtook batch 0"
             return super().__getitem__(i)
 
     engine = make(dataset=Uneven())
     try:
-        got = [int(b[0, 0]) // 2 for b in engine.run(tasks(12), in_order=False)]
+        got = []
+        for b in engine.run(tasks(12), in_order=False):
+            got.append(int(b[0, 0]) // 2)
+            Uneven.overtaken.set()
         assert sorted(got) == list(range(12))
         assert got[0] != 0
     finally:
+        Uneven.overtaken.set()
         engine.close()
 
 

@@ -496,8 +496,9 @@ def test_wait_spin():
     with pytest.raises(ValueError, match="spin_s must be a non-negative number of seconds, got nan"):
         r.wait(0, 1, spin_s=math.nan)
     t0 = time.monotonic()
-    assert r.wait(0, 0.02, spin_s=10.0) is None  # the spin is bounded by the timeout
-    assert 0.015 <= time.monotonic() - t0 < 5
+    # the spin is bounded by the timeout (a spin of 600 s would outlast the test's timeout)
+    assert r.wait(0, 0.02, spin_s=600.0) is None
+    assert time.monotonic() - t0 >= 0.015
     assert r._state_word(0) == _ring.STATE_ASSIGNED  # spun to the end: never announced a sleeper
     w0 = r.wakes
     got = []
@@ -703,10 +704,9 @@ def test_watch_parent_survives_the_forking_thread_and_dies_with_the_process():
         os.close(go_w)
         go_w = -1
         os.waitpid(middle, 0)
-        t0 = time.monotonic()
-        ready, _, _ = select.select([life_r], [], [], 1.0)
-        assert ready and os.read(life_r, 1) == b"", "the worker outlived its parent by more than 1 s"
-        assert time.monotonic() - t0 < 1.0
+        # EOF once the worker is gone; the 30 s only bound a test whose worker stays
+        ready, _, _ = select.select([life_r], [], [], 30)
+        assert ready and os.read(life_r, 1) == b"", "the worker outlived its parent by 30 s"
     finally:
         for fd in (life_r, pong_r, go_w):
             if fd >= 0:

@@ -74,14 +74,14 @@ def _children():
     return out
 
 
-def _wait_gone(pids, seconds=5.0):
+def _wait_gone(pids, seconds=30.0):
     """Pids still present (zombies included) after waiting up to `seconds`."""
     deadline = time.monotonic() + seconds
     alive = set(pids)
     while alive and time.monotonic() < deadline:
         alive = {p for p in alive if psutil.pid_exists(p)}
         if alive:
-            time.sleep(0.05)
+            time.sleep(0.05)  # polling the OS against a deadline, not synchronising
     return alive
 
 

@@ -1,0 +1,208 @@
+"""What a test may not leave behind, counted over this process tree only.
+
+A :class:`Snapshot` records, without a garbage collection (cheap: ~1 ms):
+
+* ``children``: this process's descendants (``psutil.Process().children(recursive=True)``),
+  less multiprocessing's per-process helper daemons (:func:`mp_helpers`);
+* ``fds``: this process's open descriptors (``/proc/self/fd``), each as its
+  ``readlink`` target and the inode it refers to, less the helpers' descriptors;
+* ``maps``: the shared files this process maps (``/proc/self/maps`` lines naming a
+  ``memfd:`` or a ``/dev/shm/`` file), as ``(device, inode) -> path``; a region that
+  grows keeps its inode, a leaked region stays mapped after its fd is closed;
+* ``shm``: the entries of ``/dev/shm`` and, separately, the names this process
+  registered with multiprocessing's resource tracker (shared memory, semaphores) and
+  did not unregister.
+
+``after.leaks(before)`` names what is new.  ``/dev/shm`` is shared with every process
+on the machine (a shared CI runner has other jobs' semaphores there), so a new entry
+is blamed on the test only if this process tree made it: this process holds it open
+or mapped, registered it with the resource tracker, or its name carries, as a
+``_``/``.``/``-`` separated token, the pid of this process or of a child seen in
+either snapshot (torch's ``torch_<pid>_...``).  An entry that another process makes
+and removes, or keeps, is never counted.
+
+multiprocessing's helper daemons (the resource tracker, the fork server and the
+resource sharer's listener thread) are started on first use and live until the
+interpreter exits, by design: they are recognised by the pid and descriptors that
+multiprocessing records for them, wherever in a test they start.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import re
+import sys
+from typing import Any
+
+import psutil
+
+SHM_DIR = "/dev/shm"
+_TOKEN = re.compile(r"[_.\-]")
+
+
+def mp_helpers() -> tuple[set[int], set[int]]:
+    """``(pids, fds)`` of multiprocessing's per-process helper daemons now running in
+    this process tree: the resource tracker (its pid, the pipe to it), the fork
+    server (its pid, its "alive" pipe) and the resource sharer (its listening socket).
+    Only modules already imported are looked at (importing them starts nothing)."""
+    pids: set[int] = set()
+    fds: set[int] = set()
+    rt = getattr(sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None)
+    fs = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
+    rs = getattr(sys.modules.get("multiprocessing.resource_sharer"), "_resource_sharer", None)
+    for pid, fd in ((getattr(rt, "_pid", None), getattr(rt, "_fd", None)),
+                    (getattr(fs, "_forkserver_pid", None), getattr(fs, "_forkserver_alive_fd", None))):
+        if pid is not None:
+            pids.add(pid)
+        if fd is not None:
+            fds.add(fd)
+    listener = getattr(getattr(rs, "_listener", None), "_listener", None)
+    sock = getattr(listener, "_socket", None)
+    if sock is not None and sock.fileno() >= 0:
+        fds.add(sock.fileno())
+    return pids, fds
+
+
+def child_pids() -> set[int]:
+    """This process's descendants, less multiprocessing's helper daemons."""
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        out.add(p.pid)
+    return out - mp_helpers()[0]
+
+
+def open_fds() -> dict[int, tuple[str, int]]:
+    """``{fd: (readlink target, inode)}`` of this process's descriptors, less the
+    helper daemons'.  The inode tells apart two memfds with the same name."""
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        path = f"/proc/self/fd/{name}"
+        try:
+            out[int(name)] = (os.readlink(path), os.stat(path).st_ino)
+        except OSError:  # the fd listdir itself used, or one closed meanwhile by another thread
+            pass
+    for fd in mp_helpers()[1]:
+        out.pop(fd, None)
+    return out
+
+
+def shared_mappings() -> dict[tuple[str, int], str]:
+    """``{(device, inode): path}`` of the memfds and ``/dev/shm`` files this process maps."""
+    out = {}
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            if len(parts) == 6 and ("memfd:" in parts[5] or parts[5].startswith(SHM_DIR + "/")):
+                out[(parts[3], int(parts[4]))] = parts[5].strip()
+    return out
+
+
+def memfd_mappings() -> list[str]:
+    """Paths of the distinct memfds this process maps (the ring's region, busy cells)."""
+    return sorted(p for p in shared_mappings().values() if "memfd:" in p)
+
+
+def shm_entries() -> set[str]:
+    """The names in ``/dev/shm`` (every process's: compare only through :meth:`Snapshot.leaks`)."""
+    try:
+        return set(os.listdir(SHM_DIR))
+    except FileNotFoundError:
+        return set()
+
+
+# ---- names this process registers with multiprocessing's resource tracker ----
+
+#: ``/dev/shm`` entries of the shared memory and semaphores this process registered
+#: and has not unregistered (filled once :func:`record_mp_names` ran).
+_registered: set[str] = set()
+
+
+def _entry(name: str, rtype: str) -> str | None:
+    name = name.lstrip("/")
+    return {"shared_memory": name, "semaphore": "sem." + name}.get(rtype)
+
+
+def record_mp_names() -> None:
+    """Wrap ``multiprocessing.resource_tracker.register``/``unregister`` so that
+    :data:`_registered` knows the segments this process created (idempotent)."""
+    from multiprocessing import resource_tracker as rt
+    if getattr(rt.register, "_leaks_recorder", False):
+        return
+    register, unregister = rt.register, rt.unregister
+
+    def recording_register(name: str, rtype: str) -> Any:
+        entry = _entry(name, rtype)
+        if entry is not None and os.getpid() == _pid:
+            _registered.add(entry)
+        return register(name, rtype)
+
+    def recording_unregister(name: str, rtype: str) -> Any:
+        entry = _entry(name, rtype)
+        if entry is not None and os.getpid() == _pid:
+            _registered.discard(entry)
+        return unregister(name, rtype)
+
+    recording_register._leaks_recorder = True  # type: ignore[attr-defined]
+    rt.register, rt.unregister = recording_register, recording_unregister
+
+
+_pid = os.getpid()
+
+
+class Snapshot:
+    """What this process tree holds now (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.children = child_pids()
+        self.fds = open_fds()
+        self.maps = shared_mappings()
+        self.shm = shm_entries()
+        self.registered = set(_registered)
+
+    def _ours(self, entry: str, before: Snapshot) -> bool:
+        pids = {str(p) for p in before.children | self.children | {os.getpid()}}
+        return (entry in self.registered
+                or any(t in pids for t in _TOKEN.split(entry))
+                or any(t.startswith(f"{SHM_DIR}/{entry}") for t, _ in self.fds.values())
+                or any(p.startswith(f"{SHM_DIR}/{entry}") for p in self.maps.values()))
+
+    def leaks(self, before: Snapshot) -> list[str]:
+        """What is here now and was not in ``before``, one line per kind; [] if nothing."""
+        problems = []
+        new_children = self.children - before.children
+        if new_children:
+            desc = []
+            for pid in sorted(new_children):
+                try:
+                    p = psutil.Process(pid)
+                    status = p.status()
+                    cmd = "" if status == psutil.STATUS_ZOMBIE else " ".join(p.cmdline())[:80]
+                    desc.append(f"{pid} ({status}: {cmd})")
+                except psutil.Error:
+                    desc.append(str(pid))
+            problems.append(f"child processes left behind: {', '.join(desc)}")
+        new_fds = {fd: t for fd, (t, ino) in self.fds.items() if before.fds.get(fd) != (t, ino)}
+        if new_fds:
+            problems.append(f"file descriptors left open: {new_fds}")
+        new_maps = sorted(p for key, p in self.maps.items() if key not in before.maps)
+        if new_maps:
+            problems.append(f"shared mappings left: {new_maps}")
+        new_shm = sorted(e for e in self.shm - before.shm if self._ours(e, before))
+        if new_shm:
+            problems.append(f"/dev/shm entries left behind: {new_shm}")
+        return problems
+
+
+def check(before: Snapshot) -> list[str]:
+    """``Snapshot().leaks(before)``; what looks leaked is looked at again after a full
+    garbage collection (only then: a collection costs ~80 ms with torch imported)."""
+    problems = Snapshot().leaks(before)
+    if problems:
+        gc.collect()
+        problems = Snapshot().leaks(before)
+    return problems
+
+
+def assert_no_leaks(before: Snapshot) -> None:
+    problems = check(before)
+    assert not problems, "\n".join(problems)
