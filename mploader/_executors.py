@@ -1,8 +1,9 @@
 """Where batches are computed: worker processes, the calling process, a thread pool.
 
 * :class:`WorkerProcess` -- the parent's handle on one worker process (forked, or
-  started by a ``multiprocessing`` spawn/forkserver context): its pipe, its pidfd,
-  its exit status.  :func:`start_worker` makes one; :func:`stop_workers` ends a
+  started by a ``multiprocessing`` spawn/forkserver context): its pipe, its pidfd
+  (or where pidfd_open is refused, a pipe that reads EOF when it exits), its exit
+  status.  :func:`start_worker` makes one; :func:`stop_workers` ends a
   group of them (close the pipes, a grace period, then SIGKILL).
 * :class:`InlineRun` -- ``num_workers=0``: each batch loaded when asked for.
 * :class:`ThreadRun` -- ``thread_pool=True``: daemon threads, plain arrays.
@@ -11,11 +12,11 @@ from __future__ import annotations
 
 import _imp
 import collections
+import errno
 import gc
 import importlib
 import multiprocessing
 import multiprocessing.connection
-import multiprocessing.reduction
 import os
 import queue
 import random
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _fds, _ring
 from ._errors import UNKNOWN_STATUS, ExitStatus
 from ._worker import WorkerBoot, WorkerSpec, batch_seed, fork_main, seed_rngs, spawn_main
 
@@ -47,10 +49,12 @@ class WorkerProcess:
     __slots__ = ("wid", "pid", "pidfd", "conn", "fd", "process", "status", "outstanding", "done", "mailbox",
                  "sent", "retiring", "replaced")
 
-    def __init__(self, wid: int, pid: int, conn: Any, process: Any = None) -> None:
+    def __init__(self, wid: int, pid: int, conn: Any, process: Any = None, watch_fd: int = -1) -> None:
         self.wid = wid
         self.pid = pid
-        self.pidfd = os.pidfd_open(pid)
+        # Readable once the process has exited: a pidfd, or (watch_fd, where pidfd_open
+        # is refused) the read end of a pipe whose write end the worker holds.
+        self.pidfd = watch_fd if watch_fd >= 0 else _ring.pidfd_open(pid)
         self.conn = conn
         self.fd = conn.fileno()         # the task pipe, written by _protocol.write_all; -1 once closed
         self.process = process          # multiprocessing.Process for spawn/forkserver, else None
@@ -100,7 +104,9 @@ def exited(workers: list[WorkerProcess], timeout_s: float) -> list[WorkerProcess
     """The workers among ``workers`` whose process has ended, waiting up to ``timeout_s``.
 
     poll(), not select(): a training process may hold more than FD_SETSIZE (1024)
-    descriptors, and select() cannot watch a descriptor numbered above that.
+    descriptors, and select() cannot watch a descriptor numbered above that.  A pidfd
+    is readable once its process has exited; the fallback pipe reports POLLHUP once
+    the worker (and anything it forked) has closed its end, i.e. exited.
     """
     if not workers:
         return []
@@ -116,44 +122,105 @@ def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
     """Start worker ``wid``: ``fork`` runs :func:`fork_main` in a child of this
     process; ``spawn``/``forkserver`` start a fresh interpreter that receives ``spec``
     pickled and the region's memfd as a passed descriptor.  ``busy``: the worker's
-    busy-time cell (:meth:`mploader._metrics.BusyCells.boot`), or None."""
-    parent_conn, child_conn = multiprocessing.Pipe(duplex=True)
-    parent_pid = os.getpid()
-    if start_method == "fork":
-        def drop() -> None:  # in the child, once it watches the parent (a hang here is not for ever)
-            parent_conn.close()
-            drop_in_child()
-            _torch_one_thread()
+    busy-time cell (:meth:`mploader._metrics.BusyCells.boot`), or None.
 
-        boot = WorkerBoot(wid, parent_pid, child_conn, region=region, drop=drop, busy=busy)
-        for stream in (sys.stdout, sys.stderr):
+    Every descriptor made here is >= 3 and close-on-exec (:mod:`mploader._fds`).
+    Where pidfd_open is refused, the worker watches this process's lifeline and this
+    process watches the worker through a pipe.  Nothing is left behind by a start
+    that fails: a child already forked is killed and reaped.
+
+    Raises
+    ------
+    OSError
+        EMFILE with a message naming ``RLIMIT_NOFILE``, the descriptors each loader
+        uses and how to raise the limit, when too few are left to start the worker.
+    """
+    what = f"worker {wid} of a loader with num_workers={spec.num_workers}"
+    _fds.check_headroom(spec.num_workers, start_method, what)
+    try:
+        return _start_worker(spec, wid, region, start_method, drop_in_child, busy)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise _fds.descriptors_exhausted(spec.num_workers, start_method, what) from exc
+        raise
+
+
+def _start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
+                  drop_in_child: Callable[[], None], busy: tuple | None) -> WorkerProcess:
+    parent_pid = os.getpid()
+    lifeline = -1 if _fds.pidfd_usable() else _fds.lifeline()
+    parent_conn, child_conn = _fds.connection_pair()
+    owned: list[Any] = [parent_conn, child_conn]  # closed if the start fails
+    pid = 0
+    proc: Any = None
+    try:
+        if start_method == "fork":
+            watch_r, watch_w = _fds.pipe() if lifeline >= 0 else (-1, -1)
+            owned += [watch_r, watch_w]
+
+            def drop() -> None:  # in the child, once it watches the parent (a hang here is not for ever)
+                parent_conn.close()
+                if watch_r >= 0:
+                    os.close(watch_r)  # (watch_w stays open until this worker exits)
+                drop_in_child()
+                _torch_one_thread()
+
+            boot = WorkerBoot(wid, parent_pid, child_conn, region=region, drop=drop, busy=busy, lifeline=lifeline)
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    if stream is not None:
+                        stream.flush()
+                except (OSError, ValueError, AttributeError):
+                    pass
+            quiet = _import_quiet()
+            # Everything alive now is frozen out of the collector for the fork: the child's
+            # collections then never touch (copy) the parent's objects' pages, nor run
+            # finalizers of parent objects that become garbage there (gc.freeze docs).
+            gc.freeze()
             try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
-        quiet = _import_quiet()
-        # Everything alive now is frozen out of the collector for the fork: the child's
-        # collections then never touch (copy) the parent's objects' pages, nor run
-        # finalizers of parent objects that become garbage there (gc.freeze docs).
-        gc.freeze()
-        try:
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - runs in the child
+                pid = os.fork()
+                if pid == 0:  # pragma: no cover - runs in the child
+                    if quiet:
+                        _import_unlock()
+                    fork_main(spec, boot)
+            finally:
+                gc.unfreeze()
                 if quiet:
                     _import_unlock()
-                fork_main(spec, boot)
-        finally:
-            gc.unfreeze()
-            if quiet:
-                _import_unlock()
+            child_conn.close()
+            if watch_w >= 0:
+                os.close(watch_w)
+                owned.remove(watch_w)
+            worker = WorkerProcess(wid, pid, parent_conn, watch_fd=watch_r)
+            return worker
+        ctx: Any = multiprocessing.get_context(start_method)
+        boot = WorkerBoot(wid, parent_pid, child_conn, region_fd=_fds.PassedFd(region.fd), busy=busy,
+                          lifeline=_fds.PassedFd(lifeline) if lifeline >= 0 else -1)
+        proc = ctx.Process(target=spawn_main, args=(spec, boot), name=f"mploader-worker-{wid}", daemon=True)
+        with _fds.stdio_reserved():
+            proc.start()
+        pid = proc.pid
         child_conn.close()
-        return WorkerProcess(wid, pid, parent_conn)
-    ctx: Any = multiprocessing.get_context(start_method)
-    boot = WorkerBoot(wid, parent_pid, child_conn, region_fd=multiprocessing.reduction.DupFd(region.fd), busy=busy)
-    proc = ctx.Process(target=spawn_main, args=(spec, boot), name=f"mploader-worker-{wid}", daemon=True)
-    proc.start()
-    child_conn.close()
-    return WorkerProcess(wid, proc.pid, parent_conn, proc)
+        watch = _fds.dup(proc.sentinel) if lifeline >= 0 else -1
+        owned.append(watch)
+        return WorkerProcess(wid, pid, parent_conn, proc, watch_fd=watch)
+    except BaseException:
+        if pid > 0:  # started: it must not outlive a start that failed, nor stay a zombie
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if proc is not None:
+                proc.join()
+                multiprocessing.active_children()
+            else:
+                os.waitpid(pid, 0)
+        for x in owned:
+            try:
+                x.close() if not isinstance(x, int) else (os.close(x) if x >= 0 else None)
+            except OSError:
+                pass
+        raise
 
 
 def _torch_one_thread() -> None:

@@ -15,7 +15,7 @@ Two sides of the ring are measured (docs/metrics.md has the table of keys):
   ``MAP_SHARED`` mapping created in the parent before the workers fork (they inherit
   it; no descriptor is involved); for spawn/forkserver workers a memfd mapped by the
   parent, passed to each worker as a descriptor the way the region's is
-  (``multiprocessing.reduction.DupFd``) and mapped once at start-up.  A worker stores
+  (:class:`mploader._fds.PassedFd`) and mapped once at start-up.  A worker stores
   ``start`` when a task arrives and adds the task's duration to ``busy`` after
   publishing its batch: plain stores into memory it already maps, no system call.
 
@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import collections
 import mmap
-import multiprocessing.reduction
 import os
 import struct
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from . import _fds
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -157,10 +158,10 @@ class BusyCells:
         self.map_bytes = self.capacity * _CELL.size
         self.fd = -1
         if passed_fd:
-            self.fd = os.memfd_create("mploader-busy", os.MFD_CLOEXEC)
+            self.fd = _fds.off_stdio(os.memfd_create("mploader-busy", os.MFD_CLOEXEC))
             try:
                 os.ftruncate(self.fd, self.map_bytes)
-                self.map: mmap.mmap | None = mmap.mmap(self.fd, self.map_bytes)
+                self.map: mmap.mmap | None = _fds.mmap_fd(self.fd, self.map_bytes)
             except BaseException:
                 os.close(self.fd)
                 raise
@@ -190,12 +191,12 @@ class BusyCells:
 
     def boot(self, cell: int) -> tuple | None:
         """What a worker needs to write its cell (None: not measured): ``(mapping,
-        cell)`` for a forked worker, ``(DupFd, map_bytes, cell)`` for a spawned one
+        cell)`` for a forked worker, ``(PassedFd, map_bytes, cell)`` for a spawned one
         (made just before it starts, as the region's descriptor)."""
         if cell < 0 or self.map is None:
             return None
         if self.fd >= 0:
-            return (multiprocessing.reduction.DupFd(self.fd), self.map_bytes, cell)
+            return (_fds.PassedFd(self.fd), self.map_bytes, cell)
         return (self.map, cell)
 
     def totals(self, now: float) -> list[float]:
@@ -259,10 +260,9 @@ class WorkerBusy:
 
     def __init__(self, boot: tuple) -> None:
         if len(boot) == 3:  # spawned: map the passed memfd once
-            dup, size, cell = boot
-            fd = dup.detach()
+            fd, size, cell = boot  # (the PassedFd arrives as an int)
             try:
-                mapping = mmap.mmap(fd, size)
+                mapping = _fds.mmap_fd(fd, size)
             finally:
                 os.close(fd)
         else:

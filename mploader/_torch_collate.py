@@ -371,10 +371,28 @@ def _stack_tensors(batch: Any, alloc: Alloc) -> np.ndarray:
         except TypeError:
             _sizes(batch)
             raise
+        except RuntimeError:
+            _refuse_grad(batch)
+            raise
         return out
     # Other devices and layouts: torch's own stack, then one copy into the slot.
     _sizes(batch)
     return _into(torch.stack(batch, 0, out=torch.empty(0, dtype=elem.dtype, device=elem.device)).cpu(), alloc)
+
+
+def _refuse_grad(batch: Any) -> None:
+    """Raise the error that says why a batch of tensors requiring grad cannot be
+    made in a worker, and what to do (torch's DataLoader fails on it too, with
+    "stack(): functions with out=... arguments don't support automatic
+    differentiation"); nothing when no element requires grad."""
+    for k, t in enumerate(batch):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise RuntimeError(
+                f"element {k} of the batch is a tensor with requires_grad=True: a batch made in a "
+                f"worker process cannot carry an autograd graph (torch's DataLoader with num_workers > 0 fails "
+                f"here too), so no gradient could ever reach the dataset's tensors.  Return the data without "
+                f"its graph from __getitem__ (tensor.detach()), and call .requires_grad_() on the batch in the "
+                f"training loop if it needs a gradient; or use num_workers=0 to keep the graph")
 
 
 def plan_tensor_column(leaf: Any, out: np.ndarray, batch_size: int) -> Callable[[list, np.ndarray], bool] | None:

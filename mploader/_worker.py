@@ -131,10 +131,11 @@ class WorkerBoot:
     worker_id: int
     parent_pid: int
     conn: Any                                    # multiprocessing Connection (worker end)
-    region_fd: Any = None                        # spawn: a DupFd of the region's memfd
+    region_fd: Any = None                        # spawn: the region's memfd (_fds.PassedFd; an int here)
     region: Any = None                           # fork: the inherited Region
     drop: Callable[[], None] | None = None       # fork: closes what this child must not hold
     busy: tuple | None = None                    # its busy-time cell (mploader._metrics.BusyCells.boot)
+    lifeline: Any = -1                           # where pidfd_open is refused: the parent's lifeline (_fds)
 
 
 def _fresh_std_streams() -> None:
@@ -147,6 +148,8 @@ def _fresh_std_streams() -> None:
     """
     for name, fd in (("stdout", 1), ("stderr", 2)):
         old = getattr(sys, name)
+        if old is None:  # started without it (fd closed): a print stays a no-op, as in the parent
+            continue
         try:
             encoding = getattr(old, "encoding", None) or "utf-8"
             errors = getattr(old, "errors", None) or "backslashreplace"
@@ -175,14 +178,17 @@ def _run(spec: WorkerSpec, boot: WorkerBoot) -> None:
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         batch_scheduling()
-        _ring.watch_parent(boot.parent_pid)  # not PR_SET_PDEATHSIG: it fires when the forking *thread* ends
+        # Not PR_SET_PDEATHSIG: it fires when the forking *thread* ends.
+        _ring.watch_parent(boot.parent_pid, boot.lifeline)
+        if boot.lifeline >= 0:
+            os.close(boot.lifeline)  # the watch has its own duplicate
         if boot.drop is not None:
             boot.drop()
         if boot.region is not None:
             region = boot.region
             region.populate()
         else:
-            fd = boot.region_fd.detach()
+            fd = boot.region_fd
             region = _ring.attach_region(fd)  # maps its own duplicate of the memfd
             os.close(fd)
         init_failure = _init(spec, boot.worker_id)
