@@ -105,11 +105,9 @@ def capture_cost(calls: int, repeats: int) -> None:
     from mploader.torch import DataLoader
 
     fast = _per_call_us(_rng_state.capture, calls, repeats)
-    layout = (_rng_state._Layout.py_state, _rng_state._Layout.np_gauss)
-    _rng_state._Layout.py_state = _rng_state._Layout.np_gauss = None
-    slow = _per_call_us(_rng_state.capture, max(calls // 20, 1), repeats)
-    _rng_state._Layout.py_state, _rng_state._Layout.np_gauss = layout
-    calibrated = "yes" if None not in layout else f"no {layout}"
+    calibrated = "yes" if _rng_state.path() == "fast" else f"no: {_rng_state._Layout.reason}"
+    with _rng_state.forced_fallback():
+        slow = _per_call_us(_rng_state.capture, max(calls // 20, 1), repeats)
     print(f"RNG capture per batch     {fast:8.2f} us   (calibrated reads: {calibrated}; "
           f"{len(_rng_state.capture()):,} bytes)")
     print(f"  with the public getters {slow:8.2f} us")

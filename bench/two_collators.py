@@ -1,7 +1,11 @@
 """What the memory bus allows: the transport suite's ``large`` batches collated by one
 and by two processes at once, in-process (no ring, no pipes, no parent).
 
-Usage: ``PYTHONPATH=.:bench python bench/two_collators.py [--batches N]``
+Usage: ``PYTHONPATH=.:bench python bench/two_collators.py [--batches N] [--cache cold|resident]``
+
+The samples are not in the CPU cache (``--cache cold``, the default: the transport
+suite's pool of at least 4 x the last-level cache); the journal's runs of
+2026-11-26 before 14:00 UTC used the 4 cache-resident samples (``--cache resident``).
 
 Each process builds batches of the suite's ``large`` dataset (256 x (224, 224, 3)
 uint8 images and their labels) into 4 rotating, pre-faulted output buffers, as a
@@ -24,8 +28,8 @@ from mploader import _hot
 from mploader_bench.transport import _Batches, make_dataset
 
 
-def _collate(queue: mp.Queue, stream: bool, seed: int, n: int) -> None:
-    ds = make_dataset("large")
+def _collate(queue: mp.Queue, stream: bool, seed: int, n: int, cache: str) -> None:
+    ds = make_dataset("large", cache)
     batches = _Batches(len(ds), 256, seed).take(n + 20)
     shape = np.asarray(ds[0][0]).shape
     images = [np.ones((256,) + shape, np.uint8) for _ in range(4)]   # written once: faulted in
@@ -50,12 +54,15 @@ def _collate(queue: mp.Queue, stream: bool, seed: int, n: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, default=280, help="timed batches per process")
+    ap.add_argument("--cache", default="cold", choices=("cold", "resident"),
+                    help="samples not in the CPU cache (default) or 4 cache-resident ones")
     args = ap.parse_args()
     ctx = mp.get_context("fork")
     for stream in (False, True):
         for procs in (1, 2):
             queue = ctx.Queue()
-            workers = [ctx.Process(target=_collate, args=(queue, stream, seed, args.batches))
+            workers = [ctx.Process(target=_collate, args=(queue, stream, seed, args.batches,
+                                                                args.cache))
                        for seed in range(procs)]
             for w in workers:
                 w.start()

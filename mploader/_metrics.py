@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import _fds
+from . import _fds, _rng_state
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -55,7 +55,7 @@ _CELL = struct.Struct("<dd")
 
 #: The keys every face's ``stats()`` adds to the transport counters (docs/metrics.md).
 METRIC_KEYS = ("wait_s", "wall_s", "first_batch_s", "epoch_batches", "epoch_no_free_slot", "epoch_fallback_pipe",
-               "batches_per_s", "bytes_per_s", "worker_busy", "ready_batches", "held_slots")
+               "batches_per_s", "bytes_per_s", "worker_busy", "ready_batches", "held_slots", "seeding")
 
 
 class Meter:
@@ -317,10 +317,11 @@ class MeteredRun:
 
 
 def empty_stats() -> dict:
-    """The metric keys before any batch (or without worker processes)."""
+    """The metric keys before any batch (or without worker processes).  ``seeding``:
+    how the generators are seeded and captured (:func:`mploader._rng_state.path`)."""
     return {"wait_s": 0.0, "wall_s": 0.0, "first_batch_s": 0.0, "epoch_batches": 0, "epoch_no_free_slot": 0,
             "epoch_fallback_pipe": 0, "batches_per_s": 0.0, "bytes_per_s": 0.0, "worker_busy": [],
-            "ready_batches": 0, "held_slots": 0}
+            "ready_batches": 0, "held_slots": 0, "seeding": _rng_state.path()}
 
 
 def inline_stats(meter: Meter, counts: dict) -> dict:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import os
 import pickle
-import random
 import signal
 import struct
 import sys
@@ -22,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _hot, _ring
+from . import _ring, _rng_state
 from ._descriptor import SlotWriter
 from ._errors import BatchFailure
 from ._metrics import WorkerBusy
@@ -48,15 +47,13 @@ def seed_rngs(seed64: int) -> None:
     """Seed ``random``, NumPy's global RNG and (if already imported) torch's from one
     64-bit batch seed (docs/design.md, "Per-batch seeding").
 
-    Where ``mploader._rng_state`` found the generators' memory layout, the two
-    Mersenne Twisters get 624 words of splitmix64 output written in place (0.2 us
-    each) instead of ``random.seed``'s ``init_by_array`` (3.8 us) and
-    ``np.random.seed`` (1.3 us); elsewhere those two are called.  Either way the
-    state is a pure function of ``seed64`` on a given machine, so every worker and
-    the in-process path agree."""
-    if not _fast_seed(seed64):
-        random.seed(seed64)
-        np.random.seed(seed64 & 0xFFFFFFFF)
+    The two Mersenne Twisters get 624 words of splitmix64 output and position 624
+    (:func:`mploader._rng_state.seed`: written in place, 0.2 us each, where the
+    generators' layout was checked in this process, else through ``random.setstate``
+    and ``np.random.set_state`` -- the same state); torch's CPU generator gets
+    ``manual_seed(seed64 & (2**63 - 1))``.  The states are a pure function of
+    ``seed64``, so every worker, either path and the in-process loaders agree."""
+    _rng_state.seed(seed64)
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "default_generator"):  # not a half-imported torch
         # The CPU generator only: torch.manual_seed also seeds every accelerator
@@ -64,57 +61,13 @@ def seed_rngs(seed64: int) -> None:
         torch.default_generator.manual_seed(seed64 & 0x7FFFFFFFFFFFFFFF)
 
 
-class _SeedTargets:
-    """Where :func:`_fast_seed` writes, found once per process (None: not possible)."""
-
-    checked = False
-    py_inst: Any = None
-    py_address = 0
-    np_bitgen: Any = None
-    np_key_address = 0
-    np_gauss_address = 0
-
-
-def _fast_seed(seed64: int) -> bool:
-    t = _SeedTargets
-    inst: Any = random._inst
-    rs: Any = np.random.mtrand._rand
-    if inst is not t.py_inst or rs._bit_generator is not t.np_bitgen:
-        if t.checked and t.py_inst is None:
-            return False
-        _find_seed_targets(inst, rs)
-        if t.py_inst is None:
-            return False
-    _hot.mt_words(seed64, t.py_address, True)
-    inst.gauss_next = None
-    _hot.mt_words(seed64 ^ _NUMPY_SALT, t.np_key_address, False)
-    _hot.clear_gauss(t.np_gauss_address)
-    return True
-
-
-def _find_seed_targets(inst: Any, rs: Any) -> None:
-    from . import _rng_state
-
-    t = _SeedTargets
-    t.checked, t.py_inst = True, None
-    if not _rng_state._Layout.done:
-        _rng_state._calibrate()
-    py_off, np_off = _rng_state._Layout.py_state, _rng_state._Layout.np_gauss
-    if py_off is None or np_off is None or type(inst) is not random.Random or type(rs) is not np.random.RandomState:
-        return
-    t.py_address = id(inst) + py_off
-    t.np_bitgen = rs._bit_generator
-    t.np_key_address = t.np_bitgen.ctypes.state_address
-    t.np_gauss_address = id(rs) + np_off
-    t.py_inst = inst
-
-
-_NUMPY_SALT = 0x6E756D7079  # "numpy": NumPy's stream differs from random's
-
-
 @dataclass
 class WorkerSpec:
-    """What every worker of one engine runs (pickled for spawn/forkserver workers)."""
+    """What every worker of one engine runs (pickled for spawn/forkserver workers).
+
+    Made in the parent, before any worker starts: making it settles how the workers
+    seed and capture the generators (:func:`mploader._rng_state.path`, which logs the
+    fallback once), so that forked workers inherit that check instead of repeating it."""
 
     dataset: Any
     fetch: Callable[[Any, Any, Callable], Any]   # (dataset, indices, alloc) -> batch
@@ -122,6 +75,9 @@ class WorkerSpec:
     reseed_per_batch: bool
     worker_init: Callable[[int, int], None] | None
     num_workers: int
+
+    def __post_init__(self) -> None:
+        _rng_state.path()
 
 
 @dataclass

@@ -18,6 +18,7 @@ that built it.  Two references:
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import random
@@ -163,19 +164,16 @@ def test_capture_reads_what_the_public_getters_return():
             assert state["numpy"] == {"key": npy[1].tolist(), "pos": npy[2], "has_gauss": npy[3], "gauss": npy[4]}
             assert npy[3] == step % 2
             assert state["torch"] == torch.random.get_rng_state().tolist()
-            layout = (_rng_state._Layout.py_state, _rng_state._Layout.np_gauss)
-            _rng_state._Layout.py_state = _rng_state._Layout.np_gauss = None
-            try:
+            assert _rng_state.path() == "fast", _rng_state._Layout.reason
+            with _rng_state.forced_fallback():
+                assert _rng_state.path() == "fallback"
                 assert _rng_state.capture() == fast
-            finally:
-                _rng_state._Layout.py_state, _rng_state._Layout.np_gauss = layout
             want = [draw(0) for _ in range(3)]
             random.seed(99)
             np.random.seed(99)
             torch.manual_seed(99)
             _rng_state.restore(json.loads(json.dumps(state)))
             assert [draw(0) for _ in range(3)] == want
-        assert None not in layout, "the calibrated reads are not in use on this interpreter"
     finally:
         random.setstate(saved[0])
         np.random.set_state(saved[1])
@@ -509,12 +507,15 @@ DRAWS = {
 
 
 @pytest.mark.parametrize("calibrated", [True, False], ids=["in-place reads", "public getters"])
-def test_capture_if_changed_is_none_exactly_when_capture_is_unchanged(monkeypatch, calibrated):
+def test_capture_if_changed_is_none_exactly_when_capture_is_unchanged(calibrated):
     """The reference is capture() itself, compared as bytes (capture is checked
     against the public getters by the tests above)."""
-    _rng_state.capture()  # calibrated
-    if not calibrated:
-        monkeypatch.setattr(_rng_state._Layout, "py_state", None)
+    assert _rng_state.path() == "fast", _rng_state._Layout.reason
+    with contextlib.nullcontext() if calibrated else _rng_state.forced_fallback():
+        check_capture_if_changed()
+
+
+def check_capture_if_changed():
     rng = random.Random(5)
     names = list(DRAWS) * 3
     rng.shuffle(names)
@@ -533,3 +534,40 @@ def test_capture_if_changed_is_none_exactly_when_capture_is_unchanged(monkeypatc
         last = now
     assert outcomes == {True, False}
     assert _rng_state.capture_if_changed(last[:-1]) == last  # another length: changed
+
+
+# ---- the fallback of the in-place reads (docs/design.md, "Per-batch seeding") ----
+
+def test_workers_on_the_fallback_capture_the_same_states():
+    """Forked workers inherit ``forced_fallback()``: they capture through the public
+    getters, and the batches, the checkpoints and a resume across the two paths are
+    those of the in-place reads."""
+    assert _rng_state.path() == "fast", _rng_state._Layout.reason
+    with make(2) as loader:
+        fast = run_all(loader)
+        assert loader.stats()["seeding"] == "fast"
+    with _rng_state.forced_fallback():
+        with make(2) as loader:
+            slow = run_all(loader)
+            assert loader.stats()["seeding"] == "fallback"
+        assert slow == fast
+        states, want = fast
+        for p in (1, 4, PER_EPOCH + 3):
+            assert resumed(lambda: make(2), states[p], len(want) - p) == want[p:]
+    states, want = slow
+    for p in (2, PER_EPOCH + 1):
+        assert resumed(lambda: make(2), states[p], len(want) - p) == want[p:]
+
+
+def test_per_batch_seeding_is_the_same_on_both_paths():
+    """``seed=``: every batch's augmentations are those of the in-process loader, on
+    both paths (torch's generator is seeded with manual_seed on both)."""
+    def epochs(workers):   # [i, random, normal, torch] per sample (not the worker's id and seed)
+        with make(workers, seed=5) as loader:
+            return [[[s[0], *s[3:]] for s in as_list(b)] for _ in range(EPOCHS) for b in loader]
+
+    want = epochs(0)
+    assert epochs(2) == want
+    with _rng_state.forced_fallback():
+        assert epochs(2) == want
+        assert epochs(0) == want

@@ -118,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--transports", default=None, metavar="LIST",
                    help="comma-separated transports (default: mploader,pickle,torch,inline, "
                         "those available)")
+    b.add_argument("--cache", default="cold", choices=("cold", "resident", "both"),
+                   help="transport suite: data not in the CPU cache (cold: a pool of at least 4 x "
+                        "the last-level cache), cache-resident (4 distinct samples; rows named "
+                        "'<size>-resident'), or both in one run")
+    b.add_argument("--sizes", default="tiny,small,large", metavar="LIST",
+                   help="transport suite: comma-separated sizes (tiny, small, large)")
     b.add_argument("--out", default=DEFAULT_OUT, metavar="DIR",
                    help="directory for the JSON report and PNG chart")
     b.add_argument("--seed", type=_nonneg_int, default=0, help="seed of batch order and augmentation")
@@ -174,7 +180,7 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"argument --transports: invalid value {args.transports!r}: "
                              f"expected a comma-separated list of {names}")
         for t in transports:
-            if t == "collate-limit" and args.suite in ("transport", "all"):
+            if t in ("collate-limit", "copy-limit") and args.suite in ("transport", "all"):
                 continue  # the transport suite's in-process reference (always measured there)
             if t not in peers.transport_names():
                 raise UsageError(f"argument --transports: unknown transport {t!r}: expected "
@@ -185,7 +191,15 @@ def _resolve(args: argparse.Namespace) -> dict[str, Any]:
                                  f"(cannot import {', '.join(missing)}; `make bench` installs "
                                  f"the harness's dependencies)")
 
-    return {"formats": formats, "transports": transports, "folder": folder, "out": out}
+    from . import synthetic
+
+    sizes = list(dict.fromkeys(_split(args.sizes)))
+    bad = [x for x in sizes if x not in synthetic.SIZES]
+    if not sizes or bad:
+        raise UsageError(f"argument --sizes: invalid value {args.sizes!r}: expected a comma-separated "
+                         f"list of {', '.join(synthetic.SIZES)}")
+
+    return {"formats": formats, "transports": transports, "folder": folder, "out": out, "sizes": sizes}
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -222,8 +236,13 @@ def _bench(args: argparse.Namespace) -> int:
             kw["seconds"] = args.seconds
         names = r["transports"] if args.transports is not None else None
         report = transport.run(workers=args.workers, repeats=args.repeats, transports=names,
-                               out_dir=r["out"], console=console, seed=args.seed, **kw)
-        if report.get("errors"):
+                               sizes=r["sizes"], cache=args.cache, out_dir=r["out"], console=console,
+                               seed=args.seed, **kw)
+        if report.get("mismatches"):
+            print(f"{PROG}: error: wrong batches: " + "; ".join(
+                f"[{m['size']}] {m['error']}" for m in report["mismatches"]), file=sys.stderr)
+            status = EXIT_MISMATCH
+        elif report.get("errors"):
             status = EXIT_ERROR
     return status
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .transport import REFERENCE, SUITE, _bound_by
+from .transport import SUITE, _bound_by
 
 
 class _Out:
@@ -20,7 +20,7 @@ class _Out:
 
                 console = Console()
                 if not console.is_terminal:  # piped: don't squeeze the table into 80 columns
-                    console = Console(width=120)
+                    console = Console(width=160)
             except ImportError:
                 console = None
         self.console = console
@@ -58,39 +58,64 @@ def _fmt_ratio(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _fmt_spread(x: dict | None, fmt: Any = _fmt_rate, suffix: str = "") -> str:
+    """``median (min-max)`` of a :func:`mploader_bench.transport._spread` dict."""
+    if x is None:
+        return "-"
+    return f"{fmt(x['median'])}{suffix} ({fmt(x['min'])}-{fmt(x['max'])})"
+
+
+def _fmt_share(x: float) -> str:
+    return f"{x:.2f}"
+
+
+def _case_line(case: str, info: dict, meds: dict) -> str:
+    """What data a case ran on, and copy-limit's methods."""
+    pool = info.get("pool")
+    if info["cache"] == "resident":
+        data = (f"resident: {info['distinct_samples']} distinct samples "
+                f"({info['pool_bytes'] / 1e3:,.1f} kB, in the cache)")
+    else:
+        data = (f"cold: {info['distinct_samples']:,} distinct samples, {info['pool_bytes'] / 1e6:,.1f} MB of "
+                f"arrays" + ("" if pool is None else
+                             f" + {info['distinct_samples'] * pool['header_bytes'] / 1e6:,.1f} MB of headers = "
+                             f"{pool['cache_multiple']:.1f} x the {pool['llc_bytes'] / 2**20:g} MiB LLC"
+                             + (f" (CAPPED at {pool['cap_bytes'] / 2**20:,.0f} MiB)" if pool["capped"] else "")))
+    methods = meds.get("copy-limit", {}).get("methods")
+    if methods:
+        data += "; copy-limit by method: " + ", ".join(
+            f"{k} {_fmt_spread(v)}" for k, v in methods.items())
+    return f"{case}: {data}"
+
+
 def _print_report(report: dict, out: _Out) -> None:
     cfg = report["config"]
-    # "ref": REFERENCE; "CPU us/batch": parent + all workers, CPU microseconds per batch
-    # "share": batches/s over the collate limit of `limit_cores` cores (collate-limit x cores)
+    # "share of copy-limit": batches/s over copy-limit's in the same repetition, median (min-max)
+    # "share of N-core collate": batches/s over collate-limit's median x N cores
+    # "CPU us/batch": parent + all workers, CPU microseconds per batch
+    # "x torch": batches/s over torch's DataLoader's in the same repetition, median (min-max)
     # "bound by": mploader.diagnose's verdict on the transport's epochs (mploader's faces only)
     cores = report.get("limit_cores", cfg["workers"])
-    header = ["size", "transport", "batches/s", "GB/s", "min-max batches/s", f"share of {cores}-core limit",
-              "CPU us/batch", "ref batches/s", "mploader x", "bound by"]
+    header = ["size", "transport", "batches/s (min-max)", "GB/s", "share of copy-limit",
+              f"of {cores}-core collate", "CPU us/batch", "x torch (min-max)", "bound by"]
     rows = []
-    for size in cfg["sizes"]:
-        meds = report["medians"].get(size, {})
+    for case in report["sizes"]:
+        meds = report["medians"].get(case, {})
         for name in cfg["transports"]:
             if name not in meds:
-                err = report["errors"].get(size, {}).get(name)
-                rows.append([size, name, "error" if err else "-"] + ["-"] * (len(header) - 3))
+                err = report["errors"].get(case, {}).get(name)
+                rows.append([case, name, "error" if err else "-"] + ["-"] * (len(header) - 3))
                 continue
             m = meds[name]
-            ref = REFERENCE.get(size, {}).get(name)
-            ratio = report["ratios"].get(size, {}).get(name)
-            rows.append([size, name, _fmt_rate(m["batches_per_s"]), f"{m['gb_per_s']:.3f}",
-                         f"{_fmt_rate(m['min_batches_per_s'])}-{_fmt_rate(m['max_batches_per_s'])}",
+            rate = dict(median=m["batches_per_s"], min=m["min_batches_per_s"], max=m["max_batches_per_s"])
+            rows.append([case, name, _fmt_spread(rate), f"{m['gb_per_s']:.3f}",
+                         _fmt_spread(m.get("share_of_copy_limit"), _fmt_share),
                          "-" if m.get("share_of_limit") is None else f"{m['share_of_limit']:.2f}",
                          _fmt_cpu(m["parent_cpu_per_batch_s"], m["workers_cpu_per_batch_s"]),
-                         _fmt_rate(ref) if ref else "", _fmt_ratio(ratio) if ratio else "",
+                         _fmt_spread(m.get("x_torch"), lambda x: f"{x:.2f}", "x"),
                          _bound_by(m.get("verdict"))])
-    title = (f"transport benchmark: medians of {cfg['repeats']} repetitions, "
-             f"{cfg['workers']} workers")
-    target_lines = []
-    for t in report["targets"]:
-        op = ">" if t["strict"] else ">="
-        mark = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
-        target_lines.append(f"{t['size']}: mploader / {t['peer']} = {_fmt_ratio(t['ratio'])} "
-                            f"(target {op} {t['minimum']:g}x): {mark}")
+    title = (f"transport benchmark: medians (min-max) of {cfg['repeats']} repetitions, "
+             f"{cfg['workers']} workers, data: {', '.join(cfg.get('cache', ['cold']))}")
     if out.rich:
         from rich.table import Table
 
@@ -113,16 +138,34 @@ def _print_report(report: dict, out: _Out) -> None:
         for r in rows:
             out.line("  ".join(c.ljust(w) if i < 2 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(r, widths))))
-    for line in target_lines:
-        out.line(line)
+    for case, info in report["sizes"].items():
+        out.line(_case_line(case, info, report["medians"].get(case, {})))
+    mach = report.get("machine", {})
+    if mach.get("load_avg_start") or mach.get("load_avg_end"):
+        def la(x: list | None) -> str:
+            return "-" if not x else " ".join(f"{v:.2f}" for v in x)
+        out.line(f"load average (1, 5, 15 min): start {la(mach.get('load_avg_start'))}, "
+                 f"end {la(mach.get('load_avg_end'))}")
+    for t in report["targets"]:
+        op = ">" if t["strict"] else ">="
+        mark = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
+        out.line(f"{t['size']}: mploader / {t['peer']} = {_fmt_ratio(t['ratio'])} "
+                 f"(target {op} {t['minimum']:g}x): {mark}")
     for t in report.get("share_targets", []):
         mark = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
         share = "-" if t["share"] is None else f"{t['share']:.2f}"
         out.line(f"{t['size']}: {t['transport']} share of the {cores}-core collate limit = {share} "
                  f"(target >= {t['minimum']:g}): {mark}")
-    for size, errs in report["errors"].items():
+    for t in report.get("every_run_targets", []):
+        mark = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
+        what = "share of copy-limit" if t["what"] == "copy-limit" else f"x {t['what']}"
+        out.line(f"{t['size']}: {t['transport']} {what} = {_fmt_spread(t['value'], _fmt_share)} "
+                 f"(target >= {t['minimum']:g} in every repetition): {mark}")
+    for case, errs in report["errors"].items():
         for name, err in errs.items():
-            out.line(f"error [{size}] {name}: {err}")
+            out.line(f"error [{case}] {name}: {err}")
+    for mm in report.get("mismatches", []):
+        out.line(f"WRONG BATCH [{mm['size']}] {mm['transport']}: {mm['error']}")
 
 
 def _write_json(report: dict, out_dir: Path) -> Path:

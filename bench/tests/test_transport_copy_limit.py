@@ -1,0 +1,86 @@
+"""The copy-limit row: the copy is right (every batch's rows land in its rotating
+buffer), the processes stop, and the suite reports shares of it.  No timing here."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mploader_bench import copylimit
+from mploader_bench.cachesize import CacheInfo
+from mploader_bench.copylimit import CopyLimit, copy_batches
+
+psutil = pytest.importorskip("psutil")
+
+
+def _pool(distinct=37, row_bytes=64, seed=5):
+    return np.random.default_rng(seed).integers(0, 256, size=(distinct, row_bytes), dtype=np.uint8)
+
+
+@pytest.mark.parametrize("method", ["take", "stream"])
+def test_copy_batches_puts_each_batch_in_its_rotating_buffer(method):
+    if method == "stream" and copylimit.stream_min_bytes() is None:
+        pytest.skip("mploader's streaming copy is not built here")
+    rows = _pool()
+    indices = np.random.default_rng(1).integers(0, len(rows), size=(5, 8))
+    arena = np.zeros((3, 8, rows.shape[1]), np.uint8)
+    copy_batches(rows, indices, arena, 7, method=method, start=2)  # batches 2..8
+    for k in (6, 7, 8):  # the last three written, one per buffer
+        assert np.array_equal(arena[k % 3], rows[indices[k % 5]]), k
+
+
+def test_copy_batches_names_a_bad_method():
+    rows = _pool()
+    with pytest.raises(ValueError, match="method='memcpy': expected 'take' or 'stream'"):
+        copy_batches(rows, np.zeros((1, 2), np.int64), np.zeros((1, 2, 64), np.uint8), 1, method="memcpy")
+
+
+def test_copy_limit_runs_every_method_in_all_processes_and_stops_them():
+    pool = _pool(distinct=50, row_bytes=64).reshape(50, 16, 4)  # any sample shape: copied as bytes
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with CopyLimit(pool, 32, workers=2, llc_bytes=64 << 10, methods=("take", "take")) as limit:
+        assert limit.row_bytes == 64 and limit.batch_bytes == 32 * 64
+        mine = {p.pid for p in psutil.Process().children(recursive=True)} - before
+        assert len(mine) == 2
+        wall = limit.run(101)  # 51 + 50 batches
+        assert wall > 0 and set(limit.last) == {"take"} and limit.last["take"] > 0
+    alive = [p for p in psutil.Process().children(recursive=True) if p.pid in mine]
+    assert not alive
+    limit.close()  # idempotent
+    with pytest.raises(RuntimeError, match="copy-limit is closed"):
+        limit.run(1)
+
+
+def test_copy_limit_uses_streaming_stores_only_where_the_ring_does():
+    stream = copylimit.stream_min_bytes()
+    if stream is None:
+        pytest.skip("mploader's streaming copy is not built here")
+    pool = np.zeros((4, 1024), np.uint8)
+    for batch, want in ((stream // 1024 - 1, ("take",)), (stream // 1024, ("take", "stream"))):
+        with CopyLimit(pool, batch, workers=1, llc_bytes=1 << 20) as limit:
+            assert limit.methods == want, batch
+
+
+@pytest.mark.parametrize("kw, message", [(dict(workers=0), "workers=0: expected >= 1"),
+                                         (dict(batch_size=0), "batch_size=0: expected >= 1")])
+def test_copy_limit_names_a_bad_argument(kw, message):
+    args = dict(batch_size=4, workers=1, llc_bytes=1 << 20) | kw
+    with pytest.raises(ValueError, match=message):
+        CopyLimit(_pool(), **args)
+
+
+def test_suite_reports_each_rows_share_of_copy_limit_per_repetition(monkeypatch):
+    """The share is paired: each repetition's rate over copy-limit's in that repetition."""
+    from mploader_bench import transport
+
+    monkeypatch.setattr(transport, "last_level_cache", lambda: CacheInfo(128 << 10, 3, "test"))
+    report = transport.run(workers=1, repeats=2, seconds=0.01, sizes=("small",),
+                           transports=("inline", "copy-limit"), out_dir=None, quiet=True)
+    assert not report["errors"] and not report["mismatches"]
+    info = report["sizes"]["small"]
+    assert info["cache"] == "cold" and info["pool"]["total_bytes"] >= 4 * (128 << 10)
+    runs = {(r["transport"], r["repeat"]): r["batches_per_s"] for r in report["runs"]}
+    shares = [runs[("inline", k)] / runs[("copy-limit", k)] for k in range(2)]
+    got = report["medians"]["small"]["inline"]["share_of_copy_limit"]
+    assert got == pytest.approx(dict(median=sum(shares) / 2, min=min(shares), max=max(shares)))
+    limit = report["medians"]["small"]["copy-limit"]
+    assert set(limit["methods"]) == {"take"} and limit["share_of_copy_limit"] is None
