@@ -77,6 +77,7 @@ _MT_BYTES = 4 + 4 * _MT_WORDS
 _PY_GAUSS = struct.Struct("=B7xd")     # random.Random.gauss_next: (is set, value)
 _NP_GAUSS = struct.Struct("=i4xd")     # aug_bitgen_t.has_gauss, gauss (an int, padding, a double)
 _FIXED = _MT_BYTES + _PY_GAUSS.size + _MT_BYTES + _NP_GAUSS.size
+_WORDS = struct.Struct(f"={_MT_WORDS}I")
 #: XORed into the batch seed for NumPy's state, so that its stream differs from random's.
 _NUMPY_SALT = 0x6E756D7079  # "numpy"
 _MT19937 = np.random.MT19937
@@ -259,9 +260,10 @@ def seed(seed64: int) -> None:
         _hot.mt_seed(bitgen, _Layout.np_key, seed64 ^ _NUMPY_SALT, False)
         _hot.field_clear(rs, _Layout.np_gauss, _NP_GAUSS.size)
         return
-    random.setstate((3, struct.unpack(f"={_MT_WORDS}I", _hot.mt_words(seed64)) + (_MT_WORDS,), None))
-    np.random.set_state(("MT19937", np.frombuffer(_hot.mt_words(seed64 ^ _NUMPY_SALT), dtype=np.uint32),
-                         _MT_WORDS, 0, 0.0))
+    random.setstate((3, _WORDS.unpack(_hot.mt_words(seed64)) + (_MT_WORDS,), None))
+    # A tuple of ints, not an array: MT19937's setter indexes the key word by word
+    # (2 us instead of 34 us; the same state).
+    np.random.set_state(("MT19937", _WORDS.unpack(_hot.mt_words(seed64 ^ _NUMPY_SALT)), _MT_WORDS, 0, 0.0))
 
 
 def capture() -> bytes:
