@@ -5,17 +5,17 @@
   encodes one framed task record, :class:`TaskReader` reads and decodes them in
   the worker, several per ``read()``.  This module is the only encoder and the only
   decoder of that format.
-* :func:`defer_signals` / :func:`restore_signals`: the signal mask around the
-  parent's critical sections (docs/design.md, "Faults") -- one ``pthread_sigmask``
-  each, the old mask passed as a 64-bit int instead of a Python set.
+* :func:`dispatch`, :func:`flush`, :func:`pull`, :func:`hand_off` and the other
+  steps of the parent's scheduler that an interrupt must not split: each is one call
+  that runs no Python bytecode between its first change and its last
+  (docs/design.md, "Faults").
 * :func:`write_all` (a pipe, blocking) / :func:`send_upto` (a socket, never blocking):
   framed records, without the GIL.
 """
-from libc.errno cimport EINTR, errno
+from libc.errno cimport EAGAIN, EINTR, errno
 from libc.stdint cimport int64_t, uint32_t, uint64_t
 from libc.string cimport memcmp, memcpy
 from cpython.bytearray cimport PyByteArray_AS_STRING
-from cpython.exc cimport PyErr_CheckSignals
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.list cimport PyList_New, PyList_SET_ITEM
 from cpython.long cimport PyLong_AsLongLong
@@ -23,19 +23,6 @@ from cpython.ref cimport Py_INCREF
 
 import os
 import pickle
-
-cdef extern from "<signal.h>" nogil:
-    ctypedef struct sigset_t:
-        pass
-    int sigemptyset(sigset_t *s)
-    int sigfillset(sigset_t *s)
-    int sigaddset(sigset_t *s, int sig)
-    int sigdelset(sigset_t *s, int sig)
-    int sigismember(const sigset_t *s, int sig)
-    int pthread_sigmask(int how, const sigset_t *new, sigset_t *old)
-    int SIG_BLOCK
-    int SIG_SETMASK
-    int SIGKILL, SIGSTOP, SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGABRT
 
 cdef extern from "<unistd.h>" nogil:
     ssize_t c_write "write"(int fd, const void *buf, size_t n)
@@ -272,50 +259,207 @@ def send_upto(int fd, bytes data):
     return done, err
 
 
-# ---- signal deferral (docs/design.md, "Faults") ----
+# ---- the parent's steps that an interrupt must not split (docs/design.md, "Faults") ----
+#
+# A signal handler that raises (Ctrl-C's KeyboardInterrupt, a SIGTERM or SIGALRM
+# handler) runs in the main thread at its next bytecode, whichever thread the kernel
+# delivered the signal to: any thread that does not block it (a BLAS pool, a logging
+# thread, tqdm's monitor), where CPython's C handler only sets a flag.  No signal mask
+# of one thread keeps the handler out of a section.  So each change of the
+# scheduler's state that must not be split is one call here: between its first
+# change and its last it runs no Python bytecode (only C: the ring's methods, and
+# list, deque, dict, set and attribute operations on objects without Python-level
+# hooks), and an interrupt lands before it or after it.  The scheduler
+# (mploader/_scheduler.py) owns the state and decides; these are its steps.
 
-cdef sigset_t _deferrable
-sigfillset(&_deferrable)
-for _sig in (SIGKILL, SIGSTOP, SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGABRT):
-    sigdelset(&_deferrable, _sig)  # synchronous faults cannot wait
+cdef inline _buffer(dict pending, worker, task, bytes frame):
+    """Queue ``frame`` (``task``'s record; None: a RETIRE) for ``worker``."""
+    items = pending.get(worker)
+    if items is None:
+        pending[worker] = [(task, frame)]
+    else:
+        (<list>items).append((task, frame))
 
 
-def defer_signals():
-    """Block every signal but the synchronous faults for this thread; returns the
-    previous mask (signals 1..64 as bits of an int) for :func:`restore_signals`.
+def dispatch(sched, run, task, bytes frame, region, retire):
+    """Dispatch ``task`` (made from the head of ``run.pushback``; ``frame`` its task
+    record) in one step: E1 on ``task.slot`` when it is a slot (``region.assign``,
+    which raises SlotStateError before anything changed), ``sched.seq`` past the
+    task's, the record buffered in ``sched.pending``, the task appended to
+    ``run.inflight`` and to its worker's ``outstanding``, the head of
+    ``run.pushback`` dropped, the worker's ``sent`` counted; ``retire`` (a RETIRE
+    record, or None) is buffered after the record and marks the worker retiring."""
+    worker = task.worker
+    cdef Py_ssize_t slot = task.slot
+    if slot >= 0:
+        region.assign(slot, task.seq)   # E1
+    sched.seq = task.seq + 1
+    cdef dict pending = sched.pending
+    _buffer(pending, worker, task, frame)
+    run.inflight.append(task)
+    worker.outstanding.append(task)
+    run.pushback.popleft()
+    worker.sent += 1
+    if retire is not None:
+        worker.retiring = True
+        _buffer(pending, worker, None, retire)
 
-    Handlers of signals that arrived before the call run first, in the call: if
-    one raises, the exception leaves with the mask unchanged.  A signal that
-    arrives once the mask is set waits until :func:`restore_signals`.  (A handler
-    run *after* the mask was set, at the caller's next check, would lose the old
-    mask with the exception, and the thread would block signals for good.)"""
-    cdef sigset_t old
-    cdef uint64_t bits = 0
-    cdef int sig
-    PyErr_CheckSignals()
-    if pthread_sigmask(SIG_BLOCK, &_deferrable, &old) != 0:
-        raise OSError("pthread_sigmask failed")
+
+def hand_over(sched, task, worker, bytes frame, list items):
+    """Give ``task``, whose record ``frame`` (``items[0]``, a dead worker's unsent
+    records) never reached its worker, to ``worker`` in one step: the task's worker,
+    ``worker.outstanding`` and ``sent``, the record buffered in ``sched.pending``, and
+    ``items[0]`` dropped."""
+    task.worker = worker
+    worker.outstanding.append(task)
+    worker.sent += 1
+    _buffer(sched.pending, worker, task, frame)
+    del items[0]
+
+
+def flush(sched):
+    """Send each worker's buffered records (``sched.pending``: ``{worker: [(task,
+    frame), ...]}``) with one non-blocking ``send()``, and record what was sent in
+    the same step: what a full socket did not take goes back to ``sched.pending``
+    (the tail of a record the worker has begun to receive as an item without a task:
+    that task is the worker's already), what a closed socket (a dead worker) did not
+    take whole goes to ``sched.unsent``.  The sends release the GIL."""
+    cdef dict pending = sched.pending
+    cdef dict unsent = sched.unsent
+    cdef dict left = {}
+    cdef list items
+    cdef bytes data, frame
+    cdef const char *p
+    cdef Py_ssize_t n, sent, start, end, k
+    cdef int fd, err
+    sched.pending = left
+    for worker, items in pending.items():
+        data = items[0][1] if len(items) == 1 else b"".join([item[1] for item in items])
+        fd = worker.fd
+        p = PyBytes_AS_STRING(data)
+        n = len(data)
+        with nogil:
+            err = _write_loop(fd, p, n, &sent, True)
+        if not err:
+            continue
+        end = 0
+        for k in range(len(items)):
+            frame = items[k][1]
+            start = end
+            end = end + len(frame)
+            if end > sent:
+                if err == EAGAIN:  # (EWOULDBLOCK on Linux)
+                    if start >= sent:
+                        left[worker] = items[k:]
+                    else:
+                        left[worker] = [(None, frame[sent - start:])] + items[k + 1:]
+                else:
+                    rest = unsent.get(worker)
+                    if rest is None:
+                        unsent[worker] = items[k:]
+                    else:
+                        (<list>rest).extend(items[k:])
+                break
+
+
+def pull(run, Py_ssize_t n):
+    """Append up to ``n`` items of ``run.source`` (the sampler's task stream) to
+    ``run.pushback``; returns how many (fewer than ``n``: the source is exhausted).
+    Each item is appended in the step that takes it from the source.  An exception
+    raised by the source (a handler's KeyboardInterrupt included: the source is
+    Python code) is recorded in ``run.source_error`` in the same step, then
+    propagates: a generator it passed through is finished, and the run must not
+    take the StopIteration that follows for the end of the pass."""
+    source = run.source
+    pushback = run.pushback
+    cdef Py_ssize_t k = 0
     try:
-        PyErr_CheckSignals()  # one that arrived between the check and the mask
-    except BaseException:
-        pthread_sigmask(SIG_SETMASK, &old, NULL)
+        while k < n:
+            item = next(source)
+            pushback.append(item)
+            k += 1
+    except StopIteration:
+        pass
+    except BaseException as exc:
+        run.source_error = exc
         raise
-    for sig in range(1, 65):
-        if sigismember(&old, sig) == 1:
-            bits |= (<uint64_t>1) << (sig - 1)
-    return bits
+    return k
 
 
-def restore_signals(uint64_t bits):
-    """Set this thread's mask back to what :func:`defer_signals` returned."""
-    cdef sigset_t mask
-    cdef int sig
-    sigemptyset(&mask)
-    for sig in range(1, 65):
-        if bits & ((<uint64_t>1) << (sig - 1)):
-            sigaddset(&mask, sig)
-    if pthread_sigmask(SIG_SETMASK, &mask, NULL) != 0:
-        raise OSError("pthread_sigmask failed")
+def hand_off(run, task, value, bint failed, mailbox):
+    """The consume tail in one step: ``run.handoff`` = ``value`` (``failed``: an
+    exception that ``next()`` raises -- the worker's, or the reason the batch cannot
+    be read), ``task`` consumed and off its worker's ``outstanding``, then the
+    batch's message out of ``mailbox`` (the pipe; None for a slot) and the lease out
+    of ``task.box`` (E4 when nothing else holds it; last, as a lease's release hook
+    may run Python code)."""
+    run.handoff = value
+    run.failed = failed
+    task.consumed = True
+    worker = task.worker
+    out = worker.outstanding
+    if out and out[0] is task:
+        out.popleft()
+        if worker.done > 0:
+            worker.done -= 1
+    elif task in out:
+        out.remove(task)
+        worker.done = 0
+    if mailbox is not None:
+        (<dict>mailbox).pop(task.seq, None)
+    del (<list>task.box)[:]
+
+
+def follow_pipe(task):
+    """``task``'s batch did not fit the region and follows on its worker's pipe (its
+    slot holds a PIPE record): in one step the task waits on the pipe from now on and
+    the lease leaves ``task.box`` (E4)."""
+    task.via_pipe = True
+    del (<list>task.box)[:]
+
+
+def drop_stale(task, pipe_seqs):
+    """A stale ``task`` (of an abandoned run) whose batch is there (its lease in
+    ``task.box``) or comes by pipe, in one step: its seq joins ``pipe_seqs`` (the
+    scheduler's set of pipe messages to drop; None when nothing comes by pipe), the
+    task is marked done (``consumed``) and the lease leaves ``task.box`` (E4)."""
+    if pipe_seqs is not None:
+        (<set>pipe_seqs).add(task.seq)
+    task.consumed = True
+    del (<list>task.box)[:]
+
+
+def serial_next(it):
+    """A face iterator's ``__next__``: ``it._next()`` with ``it._lock`` held (threads
+    sharing the iterator get each batch once, in order).  Written here, not as a
+    Python ``with``: the lock is released in C, so no handler runs between the batch
+    leaving the run and the caller having it (after the ``__exit__`` call of a Python
+    ``with``, the interpreter runs pending handlers, and an interrupt there dropped
+    the batch on its way out)."""
+    with it._lock:
+        return it._next()
+
+
+def abandon_runs(sched):
+    """Make the batches in flight of the runs superseded or dropped since the last
+    call stale, in one step: ``sched.dropped`` lists their weak references (a run's
+    death appends its own, a C call), ``sched.runs`` maps each to the run's
+    ``inflight`` deque; the tasks of the current ``sched.generation`` not yet
+    consumed join ``sched.stale`` (freed by the reaper as they complete) and the
+    deque is emptied.  A reference listed twice finds its deque empty."""
+    cdef list dropped = sched.dropped
+    cdef dict runs = sched.runs
+    cdef list stale = sched.stale
+    generation = sched.generation
+    while dropped:
+        inflight = runs.pop(dropped[len(dropped) - 1], None)
+        if inflight is not None:
+            for t in inflight:
+                if t.generation == generation and not t.consumed:
+                    t.stale = True
+                    stale.append(t)
+            inflight.clear()
+        dropped.pop()
 
 
 # ---- generator states: per-batch seeding and the torch face's capture ----

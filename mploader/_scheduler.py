@@ -13,8 +13,6 @@ waiting ``next()`` notices ``closing`` within one wait slice, POLL_S).
 from __future__ import annotations
 
 import collections
-import errno
-import itertools
 import os
 import pickle
 import select
@@ -22,17 +20,16 @@ import signal
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import _ring
+from . import _hot, _ring
 from ._descriptor import decode
 from ._errors import UNKNOWN_STATUS, BatchFailure, WorkerError
 from ._executors import WorkerProcess, exited, stop_workers
-from ._hot import defer_signals, restore_signals
 from ._metrics import Meter
 from ._options import SMALL_BATCHES_BYTES
-from ._protocol import PIPE_HEADER, frame_retire, frame_task, send_upto
+from ._protocol import PIPE_HEADER, frame_retire, frame_task
 from ._waiting import WaitClock, spin_for
 
 if TYPE_CHECKING:
@@ -104,11 +101,15 @@ class Scheduler:
         # are small (see _adapt_depth); a deeper queue costs fewer wake-ups per batch.
         self.depth = engine.prefetch
         self.auto_max = engine.auto_prefetch or engine.prefetch
-        # Task records buffered per worker, sent by _flush with one send() each (what a
+        # Task records buffered per worker, sent by _hot.flush with one send() each (what a
         # full socket did not take stays here); and those that never reached a dead
         # worker's socket, for _resend.
         self.pending: dict[WorkerProcess, list[tuple[_Task | None, bytes]]] = {}
         self.unsent: dict[WorkerProcess, list[tuple[_Task | None, bytes]]] = {}
+        # Runs superseded or dropped (weak references, appended by their death) whose
+        # batches in flight are not yet stale, and each run's inflight deque.
+        self.dropped: list[weakref.ref] = []
+        self.runs: dict[weakref.ref, collections.deque] = {}
         self.stats: collections.Counter = collections.Counter()
         self.meter = Meter()         # input-pipeline metrics (_metrics; Run.__next__ times the waits)
 
@@ -126,6 +127,8 @@ class Scheduler:
         try:
             self._fill(run)
             if not inflight:
+                if run.source_error is not None:
+                    self._source_failed(run)
                 raise StopIteration
             task = inflight[0] if run.in_order else self._first_ready(run)
             self._await(task)
@@ -146,17 +149,17 @@ class Scheduler:
     def _fill(self, run: Run) -> None:
         """Dispatch tasks until ``prefetch`` are in flight or the source is exhausted.
 
-        Each step is split so that an interrupt (a signal handler that raises) loses
-        nothing: the source items (as many as there is room for) are pulled with
-        signals deferred (an interrupt inside a generator would finish it) by a
-        C-level ``extend`` (an item taken from the iterator is always recorded), the
-        waits that can block (a worker to start, a slot held by an abandoned batch)
-        happen with signals deliverable, and each dispatch -- E1, the task, its
-        buffered record -- runs with signals deferred; the dispatches that need no
-        wait share one deferral (:meth:`_dispatch_ready`; docs/design.md, "Faults").
-        The records are sent at the end, one ``send()`` per worker
-        (:meth:`_send_pending`); records left over by an interrupted call are sent
-        first, and always before anything waits for their batches."""
+        Each step is split so that an interrupt (a signal handler that raises, in
+        whatever thread the signal arrived) loses nothing: the source items (as many
+        as there is room for) are pulled by one C call that records each item as it
+        is taken, or the exception the source raised (``_hot.pull``; a generator is
+        finished by an exception, so the pass then ends with an error, never a
+        silent StopIteration), the waits that can block (a worker to start, a slot
+        held by an abandoned batch) come between steps, and each dispatch -- E1, the
+        task, its buffered record, ``inflight`` -- is one C call (``_hot.dispatch``;
+        docs/design.md, "Faults").  The records are sent at the end, one ``send()``
+        per worker (:meth:`_send_pending`); records left over by an interrupted call
+        are sent first, and always before anything waits for their batches."""
         engine = self.engine
         if self.pending or self.unsent:
             self._send_pending()
@@ -171,13 +174,10 @@ class Scheduler:
         try:
             while not run.exhausted and len(run.inflight) < depth:
                 if not pushback:
-                    # Signals deferred: an interrupt inside the sampler's generator would
-                    # end it (a generator that raises is finished) and silently cut the epoch.
-                    old = defer_signals()
-                    try:
-                        pushback.extend(itertools.islice(run.source, depth - len(run.inflight)))
-                    finally:
-                        restore_signals(old)
+                    if run.source_error is not None:  # the source is finished: no more items
+                        run.exhausted = True
+                        return
+                    _hot.pull(run, depth - len(run.inflight))
                     if not pushback:
                         run.exhausted = True
                         return
@@ -188,11 +188,7 @@ class Scheduler:
                 if worker is None:
                     return  # deliver what is there; the wait names the dead worker's batch
                 slot = self._free_slot()
-                old = defer_signals()
-                try:
-                    self._dispatch(run, source, worker, slot)
-                finally:
-                    restore_signals(old)
+                self._dispatch(run, source, worker, slot)
                 if worker.retiring and not worker.replaced:
                     worker.replaced = True
                     self.res.workers.append(engine._start_worker(worker.wid))
@@ -202,82 +198,58 @@ class Scheduler:
 
     def _dispatch_ready(self, run: Run, depth: int) -> int:
         """The common case of :meth:`_fill`: dispatch the pulled items whose worker is
-        running and for which a slot is FREE, all under one deferral of signals; the
-        number dispatched (0: the next item needs the general path -- a worker to
-        start or replace, a slot to wait for or the pipe, pinned slots to poll, a
-        worker to retire)."""
+        running and for which a slot is FREE; the number dispatched (0: the next item
+        needs the general path -- a worker to start or replace, a slot to wait for or
+        the pipe, pinned slots to poll, a worker to retire)."""
         if self.engine.poll_held is not None or self.engine.maxtasksperchild:
             return 0
         pushback, inflight = run.pushback, run.inflight
         region = self.res.region
         n = 0
-        old = defer_signals()
-        try:
-            while pushback and len(inflight) < depth:
-                source = pushback[0]
-                worker = self._running_worker(source[3] if len(source) > 3 else None)
-                if worker is None:
-                    break
-                slot = region.find_free(self.slot_hint)
-                if slot < 0:
-                    break
-                self._dispatch(run, source, worker, slot)
-                n += 1
-        finally:
-            restore_signals(old)
+        while pushback and len(inflight) < depth:
+            source = pushback[0]
+            worker = self._running_worker(source[3] if len(source) > 3 else None)
+            if worker is None:
+                break
+            slot = region.find_free(self.slot_hint)
+            if slot < 0:
+                break
+            self._dispatch(run, source, worker, slot)
+            n += 1
         return n
 
     def _dispatch(self, run: Run, source: tuple, worker: WorkerProcess, slot: int) -> None:
         """Make ``source`` (the head of ``run.pushback``) a task of ``worker``, in
         ``slot`` (E1) or through the pipe (slot -1), and buffer its record for
-        :meth:`_flush`.  Runs with signals deferred."""
+        :meth:`_send_pending`: what may raise first (the record: pickling), then one
+        C call for every change (``_hot.dispatch``)."""
         seq = self.seq
         region = self.res.region
-        frame = frame_task(seq, slot, source[0], source[1], source[2])  # before E1: it may raise (pickling)
+        frame = frame_task(seq, slot, source[0], source[1], source[2])
+        task = _Task(seq, slot, worker, source[0], source[1], source[2], self.generation, source)
+        limit = self.engine.maxtasksperchild
+        retire = frame_retire() if limit and worker.sent + 1 >= limit and not worker.retiring else None
+        _hot.dispatch(self, run, task, frame, region, retire)
         if slot >= 0:
-            region.assign(slot, seq)
             # Large batches take the lowest FREE slot, so they occupy only the slots
             # they need (about in-flight + 2; round robin would grow all
             # auto_prefetch + 3 of them in turn); a deep queue of small batches goes
             # round robin, which keeps a slot just released out of the way of the
             # worker's next write (docs/design.md, "Batches in flight").
             self.slot_hint = (slot + 1) % region.nslots if self.depth > self.engine.prefetch else 0
-        self.seq = seq + 1
-        task = _Task(seq, slot, worker, source[0], source[1], source[2], self.generation, source)
-        self._buffer(worker, task, frame)
-        run.inflight.append(task)
-        worker.outstanding.append(task)
-        run.pushback.popleft()
-        worker.sent += 1
-        limit = self.engine.maxtasksperchild
-        if limit and worker.sent >= limit and not worker.retiring:
-            worker.retiring = True
-            self._buffer(worker, None, frame_retire())
-
-    def _buffer(self, worker: WorkerProcess, task: _Task | None, frame: bytes) -> None:
-        """Queue ``frame`` (``task``'s record; None: a RETIRE) for ``worker``."""
-        items = self.pending.get(worker)
-        if items is None:
-            self.pending[worker] = [(task, frame)]
-        else:
-            items.append((task, frame))
 
     def _send_pending(self) -> None:
-        """Send the buffered records (:meth:`_flush`), give the tasks that could not
+        """Send the buffered records (``_hot.flush``: one ``send()`` per worker, and
+        what was sent recorded in the same C call), give the tasks that could not
         reach a dead worker to others (:meth:`_resend`), and wait for a worker whose
         socket is full to take the rest, until nothing is left or no worker can take
-        them now.  The waits happen with signals deliverable; while it waits, what
-        the worker sends is read (it may be blocked sending a batch through the pipe:
+        them now.  While it waits, what the worker sends is read (it may be blocked sending a batch through the pipe:
         a parent blocked in a write to it would never read that, and both would wait
         for ever)."""
         clock: WaitClock | None = None
         while True:
             if self.pending:
-                old = defer_signals()
-                try:
-                    self._flush()
-                finally:
-                    restore_signals(old)
+                _hot.flush(self)
             if self.unsent:
                 if not self._resend():
                     return
@@ -310,31 +282,6 @@ class Scheduler:
             raise TimeoutError(f"worker {stuck} took no task for more than {engine.timeout_s} s; raise "
                                "DataLoader(timeout=...) if loading is slow")
 
-    def _flush(self) -> None:
-        """Send each worker's buffered records with one ``send()`` (a burst of small
-        batches costs a system call per worker, not per batch), never blocking.  What
-        a full socket did not take stays in ``pending`` (the tail of a record the
-        worker has begun to receive as an item without a task: that task is the
-        worker's already); when a worker's socket is closed (it died), the tasks whose
-        records reached it whole stay its own and the others go to ``unsent`` for
-        :meth:`_resend`.  Runs with signals deferred."""
-        pending, self.pending = self.pending, {}
-        for worker, items in pending.items():
-            data = items[0][1] if len(items) == 1 else b"".join([frame for _, frame in items])
-            sent, err = send_upto(worker.fd, data)
-            if not err:
-                continue
-            end = 0
-            for k, (_, frame) in enumerate(items):
-                start, end = end, end + len(frame)
-                if end > sent:
-                    if err in (errno.EAGAIN, errno.EWOULDBLOCK):
-                        rest = items[k:] if start >= sent else [(None, frame[sent - start:])] + items[k + 1:]
-                        self.pending[worker] = rest
-                    else:
-                        self.unsent.setdefault(worker, []).extend(items[k:])
-                    break
-
     def _resend(self) -> bool:
         """Tasks whose records never reached their worker (its pipe closed: it died).
         If the worker owes no batch it was given, they go to other workers, with the
@@ -357,14 +304,12 @@ class Scheduler:
             if any(not t.stale and id(t) not in mine and not t.published(region) for t in dead.outstanding):
                 self.unsent.pop(dead, None)
                 continue
-            old = defer_signals()
-            try:  # detached, so the dead worker owes nothing and is replaced; still in `unsent`
-                for t in tasks:
-                    if t in dead.outstanding:
-                        dead.outstanding.remove(t)
-                        dead.done = 0
-            finally:
-                restore_signals(old)
+            # Detached, so the dead worker owes nothing and is replaced; still in `unsent`
+            # (an interrupted loop is finished by the next call).
+            for t in tasks:
+                if t in dead.outstanding:
+                    dead.outstanding.remove(t)
+                    dead.done = 0
             while items:
                 task, frame = items[0]
                 if task is None:  # the dead worker's RETIRE
@@ -373,15 +318,7 @@ class Scheduler:
                 worker = self._pick_worker(task.source[3] if len(task.source) > 3 else None)
                 if worker is None:
                     return False
-                old = defer_signals()
-                try:
-                    task.worker = worker
-                    worker.outstanding.append(task)
-                    worker.sent += 1
-                    self._buffer(worker, task, frame)
-                    items.pop(0)
-                finally:
-                    restore_signals(old)
+                _hot.hand_over(self, task, worker, frame, items)
             self.unsent.pop(dead, None)  # (replace_dead may have dropped it, emptied)
         return True
 
@@ -460,11 +397,11 @@ class Scheduler:
             self._send_pending()  # the batches about to be waited for must have been asked for
         while slot < 0 and poll is not None and poll(True):
             slot = region.find_free(self.slot_hint)
-        while slot < 0 and any(t.slot >= 0 for t in self.stale):
+        while slot < 0 and any(t.slot >= 0 and not t.consumed for t in self.stale):
             # The slots are held by batches of an abandoned iteration that are still
             # loading: they are ahead of any new task in their worker's queue, so
             # waiting for them costs nothing and keeps the new batch on the fast path.
-            stale = next(t for t in self.stale if t.slot >= 0)
+            stale = next(t for t in self.stale if t.slot >= 0 and not t.consumed)
             self._await(stale)
             self._reap_stale()
             slot = region.find_free(self.slot_hint)
@@ -515,9 +452,7 @@ class Scheduler:
             elif _take(region, task, POLL_S, self.spin_s):
                 if task.box[0].kind != _ring.KIND_PIPE:
                     return
-                # The batch did not fit the region: it follows on the pipe.
-                task.box.clear()
-                task.via_pipe = True
+                _hot.follow_pipe(task)  # the batch did not fit the region: it follows on the pipe
                 continue
             self._check_wait(task, clock, POLL_S)
 
@@ -545,51 +480,68 @@ class Scheduler:
             engine.on_slow(task.seq, waited_s)
 
     def _consume(self, task: _Task, run: Run) -> None:
-        """Turn a task whose batch is there into ``run.handoff``, or raise its worker's
-        exception; either way the task is marked consumed.  The batch reaches
-        ``run.handoff`` before the lease leaves ``task.box`` and with no C call in
-        between, so an interrupt at any point loses nothing (docs/design.md, "Faults")."""
-        self._finish_task(task)
+        """Turn a task whose batch is there into ``run.handoff``: the batch, or the
+        worker's exception (or the reason the batch cannot be read), which
+        ``Run.__next__`` raises.  The batch is read first (an interrupt there leaves
+        it with the task, to be read again); then one C call hands it off, marks the
+        task consumed and takes the lease from ``task.box`` (``_hot.hand_off``), so an
+        interrupt at any point loses nothing (docs/design.md, "Faults")."""
+        failed = False
         if task.via_pipe:
-            old = defer_signals()
+            msg = task.worker.mailbox[task.seq]
+            kind = PIPE_HEADER.unpack_from(msg)[1]
             try:
-                run.handoff = self._from_pipe(task)
-                task.consumed = True
-            finally:
-                restore_signals(old)
-            self.stats["batches"] += 1
+                value = pickle.loads(memoryview(msg)[PIPE_HEADER.size:])
+                if kind == _ring.KIND_ERROR:
+                    value, failed = _failure_exception(value), True
+            except Exception as exc:  # noqa: BLE001 -- an unreadable batch is used up: next() raises it
+                value, failed = exc, True
+            _hot.hand_off(run, task, value, failed, task.worker.mailbox)
+            if kind == _ring.KIND_ERROR:
+                self.stats["errors"] += 1
+            elif not failed:
+                self.stats["fallback_pipe"] += 1
+                self.stats["batches"] += 1
+                self.meter.bytes += len(msg) - PIPE_HEADER.size
             return
         lease = task.box[0]
         if lease.seq != task.seq:
-            task.consumed = True
-            task.box.clear()
-            raise (RuntimeError(f"slot {task.slot} holds batch {lease.seq}, expected batch {task.seq}: "
-                                         "the slot header was overwritten"))
+            _hot.hand_off(run, task, RuntimeError(f"slot {task.slot} holds batch {lease.seq}, expected batch "
+                                                  f"{task.seq}: the slot header was overwritten"), True, None)
+            return
         if lease.flags & _ring.FLAG_GROWN:
             self.stats["grown"] += 1
             self._note_growth()
         nbytes = lease.nbytes
-        old = defer_signals()
+        kind = lease.kind
         try:
-            if lease.kind == _ring.KIND_ERROR:
-                failure = decode(lease, lease.desc_off, lease.desc_len, copy=True)
+            if kind == _ring.KIND_ERROR:
+                value, failed = _failure_exception(decode(lease, lease.desc_off, lease.desc_len, copy=True)), True
+            else:
+                value = decode(lease, lease.desc_off, lease.desc_len, self.engine.copy)
+        except Exception as exc:  # noqa: BLE001 -- a corrupt descriptor uses the batch up: next() raises it
+            value, failed = exc, True
+        _hot.hand_off(run, task, value, failed, None)
+        if failed:
+            if kind == _ring.KIND_ERROR:
                 self.stats["errors"] += 1
-                raise _failure_exception(failure)
-            run.handoff = decode(lease, lease.desc_off, lease.desc_len, self.engine.copy)
-            task.consumed = True
-            task.box.clear()
-            self.meter.bytes += nbytes
-            if self.auto_max != self.engine.prefetch and (
-                    self.depth < self.auto_max or nbytes * self.depth > SMALL_BATCHES_BYTES):
-                self._adapt_depth(nbytes)  # (else the depth is already what it would set)
-        except Exception as exc:  # a worker's exception, or a corrupt descriptor: the batch is used up
-            task.consumed = True
-            task.box.clear()
-            raise exc from exc.__cause__
-        finally:
-            restore_signals(old)
+            return
+        self.meter.bytes += nbytes
+        if self.auto_max != self.engine.prefetch and (
+                self.depth < self.auto_max or nbytes * self.depth > SMALL_BATCHES_BYTES):
+            self._adapt_depth(nbytes)  # (else the depth is already what it would set)
         self.stats["batches"] += 1
         self.stats["fallback_inband" if lease.flags & _ring.FLAG_INBAND else "slot"] += 1
+
+    def _source_failed(self, run: Run) -> None:
+        """The run's source raised (``run.source_error``) and every batch pulled before
+        was delivered: end the run with an error, never StopIteration."""
+        err = run.source_error
+        exc = RuntimeError(
+            f"this pass cannot go on: its sampler's iterator raised {type(err).__name__} inside it, which ends "
+            f"a Python generator; every batch it gave before was delivered; start a new pass (iter(loader))")
+        run.done = True
+        raise exc from err
 
     def _adapt_depth(self, nbytes: int) -> None:
         """Default prefetch only: keep as many batches in flight as fit
@@ -599,18 +551,6 @@ class Scheduler:
         fit = SMALL_BATCHES_BYTES // max(nbytes, 1)
         target = max(self.engine.prefetch, min(self.auto_max, fit))
         self.depth = target if target < self.depth else min(target, self.depth + 1)
-
-    def _from_pipe(self, task: _Task) -> Any:
-        msg = task.worker.mailbox.pop(task.seq)
-        kind = PIPE_HEADER.unpack_from(msg)[1]
-        obj = pickle.loads(memoryview(msg)[PIPE_HEADER.size:])
-        if kind == _ring.KIND_ERROR:
-            task.consumed = True
-            self.stats["errors"] += 1
-            raise _failure_exception(obj)
-        self.stats["fallback_pipe"] += 1
-        self.meter.bytes += len(msg) - PIPE_HEADER.size
-        return obj
 
     def _note_growth(self) -> None:
         region = self.res.region
@@ -704,6 +644,7 @@ class Scheduler:
         batches of an abandoned run) are replaced and their slots reclaimed.  A dead
         worker with batches of the current run still in flight is kept: the ones it
         published are delivered, and the wait names the one it was loading."""
+        _hot.abandon_runs(self)
         res = self.res
         region = res.region
         keep = []
@@ -715,8 +656,9 @@ class Scheduler:
                 keep.append(w)
                 continue
             for t in w.outstanding:
-                if t.slot >= 0 and not t.box and region.state(t.slot) in (_ring.STATE_ASSIGNED,
-                                                                               _ring.STATE_READY):
+                # (a task whose batch went by pipe, or whose slot was freed, holds no slot)
+                if t.slot >= 0 and not t.box and not t.via_pipe and not t.consumed and \
+                        region.state(t.slot) in (_ring.STATE_ASSIGNED, _ring.STATE_READY):
                     region.reclaim(t.slot)
             dead = set(map(id, w.outstanding))
             self.stale = [t for t in self.stale if id(t) not in dead]
@@ -733,35 +675,26 @@ class Scheduler:
             w.close_fds()
         res.workers = keep
 
-    def make_stale(self, inflight: collections.deque) -> None:
-        """Hand the batches in flight of an abandoned run to the reaper."""
-        for t in inflight:
-            if t.generation == self.generation:  # older ones died with their workers
-                t.stale = True
-                if t.box:   # received but never consumed
-                    self._finish_task(t)
-                    t.box.clear()
-                    continue
-                self.stale.append(t)
-        inflight.clear()
-
     def _reap_stale(self) -> None:
-        """Free the slots of batches nobody will consume (an abandoned iteration)."""
+        """Free the slots of batches nobody will consume (an abandoned iteration).
+        Each task is dropped in one C call (``_hot.drop_stale``: E4, its pipe message
+        to discard, marked consumed); what follows is repeated harmlessly by the next
+        call if an interrupt cuts the loop."""
+        _hot.abandon_runs(self)
         if not self.stale:
             return
         region = self.res.region
         keep = []
         for t in self.stale:
             w = t.worker
-            if not t.via_pipe:
-                if not _take(region, t, 0):
+            if not t.consumed:  # (consumed: dropped by a call that an interrupt cut short)
+                if t.via_pipe:
+                    _hot.drop_stale(t, self.stale_pipe)
+                elif _take(region, t, 0):
+                    _hot.drop_stale(t, self.stale_pipe if t.box[0].kind == _ring.KIND_PIPE else None)
+                else:
                     keep.append(t)
                     continue
-                if t.box[0].kind == _ring.KIND_PIPE:
-                    self.stale_pipe.add(t.seq)
-                t.box.clear()  # E4: the slot is FREE again
-            else:
-                self.stale_pipe.add(t.seq)
             self._finish_task(t)
             if t.seq in self.stale_pipe and t.seq in w.mailbox:
                 del w.mailbox[t.seq]
@@ -824,13 +757,19 @@ class Run:
         self.inflight: collections.deque[_Task] = collections.deque()
         self.in_order = in_order
         self.handoff: Any = _EMPTY  # the next batch, between the scheduler and __next__
+        self.failed = False         # handoff is an exception for __next__ to raise
+        self.source_error: BaseException | None = None  # what the source raised (_hot.pull)
         self.exhausted = False
         self.done = False
         self.superseded = False
-        self._meter = engine._scheduler.meter
-        # A run dropped mid-epoch hands its batches in flight to the scheduler as
-        # stale, so their slots are freed as they complete.
-        self._abandon = weakref.finalize(self, _abandon, weakref.ref(engine), self.inflight)
+        scheduler = engine._scheduler
+        self._meter = scheduler.meter
+        # A run dropped mid-epoch hands its batches in flight to the scheduler as stale,
+        # so their slots are freed as they complete: its death appends its weak
+        # reference to ``scheduler.dropped`` (a C call: nothing an interrupt can cut),
+        # and the scheduler's next step takes them (_hot.abandon_runs).
+        self._ref = weakref.ref(self, scheduler.dropped.append)
+        scheduler.runs[self._ref] = self.inflight
 
     def __iter__(self) -> Run:
         return self
@@ -853,20 +792,19 @@ class Run:
         finally:
             # Before the handoff is read: an interrupt here leaves the batch in the run.
             meter.wait += _clock() - t0
-        # Taken with no C call between the read and the return: an interrupt cannot
+        # Taken with no call between the read and the return: an interrupt cannot
         # land after the batch left the run and before the caller has it.
         batch = self.handoff
         self.handoff = _EMPTY
+        if self.failed:  # the worker's exception (it consumed its batch)
+            self.failed = False
+            raise batch
         return batch
 
     def abandon(self) -> None:
+        """Superseded (a newer run, stopped workers): the batches in flight become
+        stale.  Called under the engine's lock."""
         self.superseded = True
-        self._abandon()
-
-
-def _abandon(engine_ref: Callable[[], Any], inflight: collections.deque) -> None:
-    engine = engine_ref()
-    if engine is not None and not engine.closed and engine._owner_pid == os.getpid():
-        with engine._lock:
-            engine._scheduler.make_stale(inflight)
-    inflight.clear()
+        scheduler = self._engine._scheduler
+        scheduler.dropped.append(self._ref)
+        _hot.abandon_runs(scheduler)

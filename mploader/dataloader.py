@@ -7,7 +7,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from . import _diagnose, _engine, _metrics, _pinning, _state
+from . import _diagnose, _engine, _hot, _metrics, _pinning, _state
 from ._collate import Alloc, collate_gluon
 from ._errors import is_batch_error
 from ._executors import START_METHODS
@@ -387,9 +387,9 @@ class _LoaderIter:
     def __iter__(self) -> _LoaderIter:
         return self
 
-    def __next__(self) -> Any:
-        with self._lock:   # threads sharing the iterator: each batch once, in order
-            return self._next()
+    # _next() with the lock held (threads sharing the iterator: each batch once, in
+    # order), the lock released in C: no interrupt can drop the batch on its way out.
+    __next__ = _hot.serial_next
 
     def _next(self) -> Any:
         progress = self._progress
