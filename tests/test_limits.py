@@ -7,6 +7,7 @@ its standard streams.  After each case the child's process group must be gone.
 from __future__ import annotations
 
 import os
+import re
 import select
 import signal
 import subprocess
@@ -333,16 +334,23 @@ def test_without_pidfd_open(tmp_path, refusal, start_method):
         "sys.argv[2]", repr(refusal))
     env = {} if refusal == "seccomp" else {"MPLOADER_TEST_REFUSE_PIDFD": refusal}
     argv, env = _case(body, tmp_path, env_extra=env)
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                             start_new_session=True, cwd=str(tmp_path))
     try:
-        ready, _, _ = select.select([proc.stdout], [], [], 120)
-        line = proc.stdout.readline() if ready else ""
-        if not line.startswith("PIDS "):
+        seen, deadline = b"", time.monotonic() + 90
+        while not re.search(rb"PIDS [0-9 ]+\n", seen) and time.monotonic() < deadline:  # the dataset prints too
+            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            chunk = os.read(proc.stdout.fileno(), 65536) if ready else b""
+            if ready and not chunk:
+                break
+            seen += chunk
+        found = re.search(rb"PIDS ([0-9 ]+)\n", seen)
+        if found is None:
             os.killpg(proc.pid, signal.SIGKILL)
             _, err = proc.communicate()
             outcome = (tmp_path / "outcome.txt").read_text() if (tmp_path / "outcome.txt").exists() else ""
-            pytest.fail(f"no worker pids from the case: {line!r}\noutcome:\n{outcome}\nstderr:\n{err}")
+            pytest.fail(f"no worker pids from the case: {seen[-300:]!r}\noutcome:\n{outcome}\nstderr:\n{err!r}")
+        line = "PIDS " + found.group(1).decode()
         workers = [int(p) for p in line.split()[1:]]
         assert all(psutil.Process(p).ppid() == proc.pid for p in workers if start_method == "fork")
         proc.kill()
