@@ -176,7 +176,7 @@ def worker_resume(loader: DataLoader) -> dict | None:
     ``num_workers`` (the workers then start from the saved base seed)."""
     ckpt = _checkpoint(loader)
     pending = ckpt.pending
-    if pending is None or loader._mpl_seed is not None:
+    if pending is None or loader.seed is not None:
         return None
     saved = pending.get("worker_rng")
     if saved is None:
@@ -197,7 +197,7 @@ def _worker_rng(loader: DataLoader, ckpt: Any, mid_epoch: bool) -> dict | None:
     """The ``"worker_rng"`` entry of a state (None: nothing to restore -- a loader with
     ``seed=`` or without workers, or between epochs when the next epoch makes new
     workers)."""
-    if ckpt.workers is None or loader._mpl_seed is not None or (not mid_epoch and not loader.persistent_workers):
+    if ckpt.workers is None or loader.seed is not None or (not mid_epoch and not loader.persistent_workers):
         return None
     streams, dispatch = ckpt.workers
     if isinstance(ckpt, _IterableState):
@@ -284,7 +284,7 @@ def begin(loader: DataLoader, epoch: int, sampler_iter: Iterator, iterators_per_
 def state_dict(loader: DataLoader) -> dict:
     """``mploader.torch.DataLoader.state_dict`` (see its docstring)."""
     ckpt = _checkpoint(loader)
-    seed = loader._mpl_seed
+    seed = loader.seed
     if isinstance(ckpt, _IterableState):
         if loader.num_workers > 0 and not loader.in_order:
             raise ValueError("an IterableDataset loaded with in_order=False cannot be checkpointed: which worker "
@@ -342,8 +342,8 @@ def load_state_dict(loader: DataLoader, state: Any) -> None:
     seed = loaded["seed"]
     if seed is not None:
         seed = check_int("seed", seed, minimum=0)
-    if seed != loader._mpl_seed or isinstance(ckpt, _IterableState):
-        loader._mpl_seed = seed
+    if seed != loader.seed or isinstance(ckpt, _IterableState):
+        loader.seed = seed
         # The engine was built for the other seeding, or its workers' replicas have
         # moved on: the next iter() makes new ones.
         loader.close()

@@ -55,6 +55,30 @@ _profiler_enabled: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_e
 _TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(_TorchDataLoader.__init__).parameters
 
 
+def _trainer_record(loader: Any, dataset: Any, **kwargs: Any) -> None:
+    """Record this constructor's arguments the way Lightning records a DataLoader's.
+
+    Lightning (``lightning.fabric.utilities.data._replace_dunder_methods``, 2.x)
+    re-instantiates a loader made inside a ``*_dataloader`` hook (to inject a
+    ``DistributedSampler``, for ``overfit_batches``) from the arguments its wrapped
+    ``__init__`` saw.  It wraps the ``__init__`` of every DataLoader subclass that
+    exists when the hook starts; when ``mploader.torch`` is first imported inside the
+    hook, only torch's ``__init__`` is wrapped, which would record torch's arguments
+    without ``seed``, ``copy``, ``shared_mem`` and ``snapshot_every_n_steps``.  So when
+    torch's ``__init__`` is wrapped (it then carries ``__wrapped__``) and nothing was
+    recorded yet, this records ours: the dataset positionally, everything else by
+    keyword, as the wrapper records a keyword call.  A loader made outside the hooks
+    is rebuilt from its public attributes (``vars(loader)``), which include ours.
+    """
+    init = torch.utils.data.DataLoader.__init__
+    if getattr(init, "__wrapped__", None) is None or hasattr(loader, "__pl_saved_args"):
+        return
+    for name, value in (("__pl_saved_args", (dataset,)), ("__pl_saved_kwargs", kwargs),
+                        ("__pl_saved_arg_names", ("dataset",)), ("__pl_saved_default_kwargs", {}),
+                        ("__dataset", dataset)):
+        object.__setattr__(loader, name, value)
+
+
 class DataLoader(_TorchDataLoader[_T_co]):
     """``torch.utils.data.DataLoader`` whose workers collate into a shared-memory ring.
 
@@ -116,23 +140,35 @@ class DataLoader(_TorchDataLoader[_T_co]):
                  copy: bool = False, seed: int | None = None, snapshot_every_n_steps: int | None = None) -> None:
         extra = {"in_order": in_order} if _TORCH_HAS_IN_ORDER else {}
         self._mpl_auto_prefetch = prefetch_factor is None   # torch's default 2, raised for small batches
-        super().__init__(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn, pin_memory,
-                         drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
+        _trainer_record(self, dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+                        batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+                        pin_memory=pin_memory, drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
+                        multiprocessing_context=multiprocessing_context, generator=generator,
+                        prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                        pin_memory_device=pin_memory_device, in_order=in_order, shared_mem=shared_mem, copy=copy,
+                        seed=seed, snapshot_every_n_steps=snapshot_every_n_steps)
+        # By keyword: a trainer that records the arguments torch's __init__ received
+        # (Lightning, for a loader class defined inside its hooks) must not record the
+        # sampler positionally and then pass a new one by keyword.
+        super().__init__(dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
+                         batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
+                         pin_memory=pin_memory, drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
+                         multiprocessing_context=multiprocessing_context, generator=generator,
                          prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                          pin_memory_device=pin_memory_device, **extra)
         if not _TORCH_HAS_IN_ORDER:  # torch < 2.6: the face provides it
             self.in_order = in_order
-        self._mpl_shared_mem = _options.check_int(
+        self.shared_mem = _options.check_int(
             "shared_mem", shared_mem, minimum=0, maximum=_options.MAX_SLOT_BYTES, none_ok=True,
             why_max=" bytes (the largest slot the ring can make)")
         if not isinstance(copy, bool):
             raise TypeError(f"copy must be a bool, got {copy!r} ({type(copy).__name__})")
-        self._mpl_seed = _options.check_int("seed", seed, minimum=0, none_ok=True)
+        self.seed = _options.check_int("seed", seed, minimum=0, none_ok=True)
         if num_workers > 0 and self.prefetch_factor * num_workers > _options.MAX_PREFETCH:
             raise ValueError(f"prefetch_factor * num_workers must be at most {_options.MAX_PREFETCH} (the ring "
                              f"holds at most {_options.MAX_SLOTS} slots), got {self.prefetch_factor} * "
                              f"{num_workers}")
-        self._mpl_copy = copy
+        self.copy = copy
         self._mpl_engine: _engine.Engine | None = None
         self._mpl_engine_key: tuple | None = None
         self._mpl_init: WorkerInit | None = None
@@ -149,7 +185,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def _get_iterator(self) -> _BaseDataLoaderIter:
         _torch_state.iterator_starting(self)   # before the iterator draws its base seed
         if self.num_workers == 0:
-            if self._mpl_seed is None:
+            if self.seed is None:
                 return _torch_state.SingleIter(self)
             return _SeededInlineIter(self)
         self.check_worker_number_rationality()
@@ -194,15 +230,15 @@ class DataLoader(_TorchDataLoader[_T_co]):
             mode = CONVERT
         else:
             mode = CUSTOM
-        fetch = (CapturingFetch if self._mpl_seed is None else Fetch)(
+        fetch = (CapturingFetch if self.seed is None else Fetch)(
             mode, self.collate_fn, self._auto_collation, self.drop_last)
-        init = WorkerInit(self.dataset, self.worker_init_fn, per_batch=self._mpl_seed is not None)
+        init = WorkerInit(self.dataset, self.worker_init_fn, per_batch=self.seed is not None)
         pinner = self._mpl_pinner()
         engine = _engine.Engine(
             self.dataset, fetch, num_workers=self.num_workers,
-            prefetch=self.prefetch_factor * self.num_workers, shared_mem=self._mpl_shared_mem,
-            timeout_s=self.timeout or None, seed=self._mpl_seed or 0, copy=self._mpl_copy,
-            worker_init=init, reseed_per_batch=self._mpl_seed is not None, start_method=start_method,
+            prefetch=self.prefetch_factor * self.num_workers, shared_mem=self.shared_mem,
+            timeout_s=self.timeout or None, seed=self.seed or 0, copy=self.copy,
+            worker_init=init, reseed_per_batch=self.seed is not None, start_method=start_method,
             on_grow=pinner.on_grow if pinner is not None else None, auto_prefetch=_auto_depth(self),
             poll_held=pinner.poll if pinner is not None else None)
         if pinner is not None:
@@ -212,7 +248,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def _mpl_pinner(self) -> _pinning.HostPinner | None:
         """With ``pin_memory`` and a usable CUDA device (and not ``copy``): a pinner that
         page-locks the region as it grows, so tensors come out of the ring pinned."""
-        if not self.pin_memory or self._mpl_copy or not torch.cuda.is_available():
+        if not self.pin_memory or self.copy or not torch.cuda.is_available():
             return None
         runtime = _pinning.cuda_runtime(torch.cuda.current_device())
         return _pinning.HostPinner(*runtime) if runtime is not None else None
@@ -377,7 +413,7 @@ class _RingIter(_BaseDataLoaderIter):
                 self._base_seed = resume["base_seed"]
             init.base_seed = self._base_seed
             init.rng_states = resume["states"] if resume is not None else None
-            self._mpl_streams = (None if loader._mpl_seed is not None else
+            self._mpl_streams = (None if loader.seed is not None else
                                  _torch_state.WorkerStreams(self._base_seed, self._num_workers, init.rng_states))
         elif self._mpl_streams is not None:
             self._mpl_streams.new_epoch()
@@ -563,7 +599,7 @@ class _SeededInlineIter(_BaseDataLoaderIter):
             raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
         from ._worker import batch_seed, seed_rngs
         self._batch_seed, self._seed_rngs = batch_seed, seed_rngs
-        self._seed = loader._mpl_seed
+        self._seed = loader.seed
         self._epoch = loader._mpl_next_epoch()
         self._batch_index = 0
         self._mpl_pos = _torch_state.begin(loader, self._epoch, self._sampler_iter)
