@@ -241,10 +241,17 @@ class BusyCells:
         self.forget()
 
     def forget(self) -> None:
-        """Unmap and close the descriptor (also in a forked child that must not hold them)."""
+        """Unmap and close the descriptor (also in a forked child that must not hold them).
+
+        A worker of this loader that forks a child (a loader used inside a worker)
+        writes its own cell through a view of the mapping: the child cannot unmap it
+        while that view exists, and leaves it mapped (its size: one cell per worker)."""
         m, self.map = self.map, None
         if m is not None:
-            m.close()
+            try:
+                m.close()
+            except BufferError:
+                pass
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
