@@ -98,6 +98,11 @@ class WorkerProcess:
                 pass
         self.pidfd = -1
         self.fd = -1
+        if self.process is not None and self.status is not None:
+            try:  # its Popen's two start-up pipes, held until then
+                self.process.close()
+            except ValueError:  # pragma: no cover - not reaped by multiprocessing yet
+                pass
 
 
 def exited(workers: list[WorkerProcess], timeout_s: float) -> list[WorkerProcess]:

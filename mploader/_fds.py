@@ -34,9 +34,9 @@ from . import _ring
 #: its ``mmap.mmap`` keeps.
 PER_LOADER = {"fork": 1, "spawn": 3, "forkserver": 3}
 #: ... and per worker: its task pipe and its pidfd (or, without pidfd_open, the read
-#: end of a pipe it holds the write end of), plus (spawn, forkserver)
-#: ``multiprocessing``'s sentinel of the process.
-PER_WORKER = {"fork": 2, "spawn": 3, "forkserver": 3}
+#: end of a pipe it holds the write end of), plus (spawn, forkserver) the two ends of
+#: ``multiprocessing``'s start-up pipes its ``Popen`` keeps (one is the sentinel).
+PER_WORKER = {"fork": 2, "spawn": 4, "forkserver": 4}
 #: Descriptors a worker start needs besides what it keeps: the worker's end of its
 #: pipe and a pipe's second end until the fork, ``multiprocessing``'s start-up
 #: pipes (spawn, forkserver), and in the worker its own watch of this process and
