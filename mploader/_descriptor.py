@@ -396,7 +396,8 @@ class _Encoder:
 _TEMPLATES: dict[int, S.Template] = {}
 
 
-def decode(lease: _ring.SlotLease, desc_off: int, desc_len: int, copy: bool = False) -> Any:
+def decode(lease: _ring.SlotLease, desc_off: int, desc_len: int, copy: bool = False,
+           copy_below: int = 0) -> Any:
     """Rebuild a batch from a leased slot.
 
     Parameters
@@ -409,6 +410,11 @@ def decode(lease: _ring.SlotLease, desc_off: int, desc_len: int, copy: bool = Fa
         False: arrays are zero-copy views whose ``base`` chain ends at ``lease``
         (valid as long as they live; the slot is freed after the last one dies).
         True: arrays are owned copies and nothing refers to the lease.
+    copy_below : int
+        With ``copy=False``: arrays of fewer than this many bytes (``ndarray.nbytes``)
+        are owned copies all the same (default 0: none), so that keeping a batch's
+        small leaves (labels, indices) does not keep its slot.  In-band pickles'
+        arrays stay views.
 
     Returns
     -------
@@ -466,12 +472,12 @@ def decode(lease: _ring.SlotLease, desc_off: int, desc_len: int, copy: bool = Fa
                 raise CorruptDescriptor(f"descriptor var lengths add up to {end}, the var section is {var_len} bytes")
             with memoryview(lease) as mv:
                 var = mv[p:p + var_len]
-            b = (lease, copy, var, pos)
+            b = (lease, S.COPY_ALL if copy else copy_below, var, pos)
             try:
                 return tmpl.build(v, b)
             finally:
                 var.release()
-        return tmpl.build(v, (lease, copy))
+        return tmpl.build(v, (lease, S.COPY_ALL if copy else copy_below))
 
     except CorruptDescriptor as e:
         if e.slot is not None:

@@ -175,7 +175,8 @@ class Engine:
                  on_slow: Callable[[int, float], None] | None = None, slow_after_s: float | None = None,
                  worker_init: Callable[[int, int], None] | None = None, reseed_per_batch: bool = True,
                  start_method: str = "fork", on_grow: Callable[[Any], int | None] | None = None,
-                 poll_held: Callable[[bool], int] | None = None) -> None:
+                 poll_held: Callable[[bool], int] | None = None, copy_below_bytes: int = 0,
+                 warn_when_full: bool = True) -> None:
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
         if num_workers < 1:
@@ -198,6 +199,12 @@ class Engine:
         self.timeout_s = timeout_s or None
         self.seed = seed
         self.copy = copy
+        # Arrays of fewer bytes are delivered as owned copies, the rest as views of the
+        # slot (docs/design.md, "The lease rule"): a kept label must not keep its batch.
+        self.copy_below_bytes = copy_below_bytes
+        # All slots held by live batches: a RuntimeWarning (Gluon, Chainer), or one INFO
+        # line on the "mploader" logger (the torch face: torch's DataLoader says nothing).
+        self.warn_when_full = warn_when_full
         self.maxtasksperchild = maxtasksperchild
         self.on_slow = on_slow
         self.slow_after_s = slow_after_s

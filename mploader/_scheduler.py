@@ -13,6 +13,7 @@ waiting ``next()`` notices ``closing`` within one wait slice, POLL_S).
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import pickle
 import select
@@ -31,6 +32,8 @@ from ._metrics import Meter
 from ._options import SMALL_BATCHES_BYTES
 from ._protocol import PIPE_HEADER, frame_retire, frame_task
 from ._waiting import WaitClock, spin_for
+
+_LOG = logging.getLogger("mploader")
 
 if TYPE_CHECKING:
     from ._engine import Engine
@@ -409,10 +412,13 @@ class Scheduler:
             self.stats["no_free_slot"] += 1
             if not self.warned_full:
                 self.warned_full = True
-                warnings.warn(
-                    f"mploader: all {region.nslots} slots are held by batches that are still alive; "
-                    "further batches travel pickled through a pipe until some are released "
-                    "(drop references to old batches, or pass copy=True)", RuntimeWarning, stacklevel=6)
+                message = (f"mploader: all {region.nslots} slots are held by batches that are still alive; "
+                           "further batches travel pickled through a pipe until some are released "
+                           "(drop references to old batches, or pass copy=True)")
+                if self.engine.warn_when_full:
+                    warnings.warn(message, RuntimeWarning, stacklevel=6)
+                else:
+                    _LOG.info(message)
         return slot
 
     def _first_ready(self, run: Run) -> _Task:
@@ -518,7 +524,8 @@ class Scheduler:
             if kind == _ring.KIND_ERROR:
                 value, failed = _failure_exception(decode(lease, lease.desc_off, lease.desc_len, copy=True)), True
             else:
-                value = decode(lease, lease.desc_off, lease.desc_len, self.engine.copy)
+                value = decode(lease, lease.desc_off, lease.desc_len, self.engine.copy,
+                               self.engine.copy_below_bytes)
         except Exception as exc:  # noqa: BLE001 -- a corrupt descriptor uses the batch up: next() raises it
             value, failed = exc, True
         _hot.hand_off(run, task, value, failed, None)

@@ -299,11 +299,15 @@ class _Reader:
         return n
 
 
-#: Per-batch decode state handed to the template's builders: (lease, copy, var,
-#: var_pos) -- the leased slot, whether arrays are copied out, the var section and
-#: the start of each variable-length leaf in it (plus its end).  A tuple: cheaper
-#: to make per batch than an object.
+#: Per-batch decode state handed to the template's builders: (lease, copy_below,
+#: var, var_pos) -- the leased slot, the size in bytes under which an array is
+#: copied out (0: none, :data:`COPY_ALL`: every one), the var section and the start
+#: of each variable-length leaf in it (plus its end).  A tuple: cheaper to make per
+#: batch than an object.
 _Build = tuple
+
+#: ``copy_below`` that copies every array (``copy=True``).
+COPY_ALL = 1 << 62
 
 
 Builder = Callable[[tuple, _Build], Any]
@@ -448,7 +452,7 @@ def _array_builder(dtype: np.dtype, i: int, ndim: int, contiguous: bool) -> Buil
                 f"array at value {i}: offset {v[i]}, shape {v[j:k]}, strides "
                 f"{None if contiguous else v[k:k + ndim]}, dtype {dtype} does not fit the "
                 f"{b[0].nbytes}-byte slot: {e}") from None
-        return arr.copy() if b[1] else arr
+        return arr.copy() if arr.nbytes < b[1] else arr
     return array
 
 
@@ -478,7 +482,7 @@ def _var_bytes(i: int, j: int) -> Builder:
 def _var_blob(i: int, j: int) -> Builder:
     def build(v: tuple, b: _Build) -> Any:
         a, e = b[3][j], b[3][j + 1]
-        return load_pickle(b[2][a:e], f"in-band pickle {j} (var bytes [{a}, {e}))", b[0], b[1])
+        return load_pickle(b[2][a:e], f"in-band pickle {j} (var bytes [{a}, {e}))", b[0], b[1] >= COPY_ALL)
     return build
 
 

@@ -55,6 +55,14 @@ _profiler_enabled: Callable[[], bool] = getattr(torch._C._autograd, "_profiler_e
 _TORCH_HAS_IN_ORDER = "in_order" in inspect.signature(_TorchDataLoader.__init__).parameters
 
 
+#: Tensors of fewer bytes than this come out as owned copies, not views of the slot:
+#: an evaluation loop that keeps every batch's labels (``all_labels.append(y)``,
+#: torchmetrics) would otherwise keep every batch's slot alive.  Not with
+#: ``pin_memory`` on an accelerator, where every tensor must lie in the pinned region
+#: (docs/faces.md).  The copies' cost: ``python bench/small_leaf_copy.py``.
+SMALL_LEAF_BYTES = 4096
+
+
 def _trainer_record(loader: Any, dataset: Any, **kwargs: Any) -> None:
     """Record this constructor's arguments the way Lightning records a DataLoader's.
 
@@ -240,7 +248,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
             timeout_s=self.timeout or None, seed=self.seed or 0, copy=self.copy,
             worker_init=init, reseed_per_batch=self.seed is not None, start_method=start_method,
             on_grow=pinner.on_grow if pinner is not None else None, auto_prefetch=_auto_depth(self),
-            poll_held=pinner.poll if pinner is not None else None)
+            poll_held=pinner.poll if pinner is not None else None,
+            copy_below_bytes=SMALL_LEAF_BYTES if pinner is None else 0, warn_when_full=False)
         if pinner is not None:
             weakref.finalize(engine, pinner.release)
         return engine, init, pinner

@@ -431,15 +431,17 @@ def test_pin_memory_without_accelerator(no_leaks):
 @needs_engine
 def test_tensors_are_views_of_the_slot_and_never_change(no_leaks):
     """Hold three epochs of tensors: each still equals the copy taken when it arrived,
-    and it points into the engine's shared region."""
-    loader = DataLoader(Augmented(n=40), batch_size=4, num_workers=2, shuffle=True, persistent_workers=True)
+    and it points into the engine's shared region.  (The rows are widened to 1 KiB so
+    that a batch's ``x`` is not a small leaf, which comes out as a copy:
+    ``test_torch_small_leaves.py``.)"""
+    data = Augmented(n=40)
+    data.x = data.x.repeat(1, 64)   # (40, 256) float32: a batch's x is 4 KiB
+    loader = DataLoader(data, batch_size=4, num_workers=2, shuffle=True, persistent_workers=True)
     held, copies = [], []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # holding every batch exhausts the slots: pipe fallback
-        for _ in range(3):
-            for batch in loader:
-                held.append(batch["x"])
-                copies.append(batch["x"].clone())
+    for _ in range(3):
+        for batch in loader:
+            held.append(batch["x"])
+            copies.append(batch["x"].clone())
     region = loader._mpl_engine.region
     lo, hi = region.address, region.address + region.file_bytes
     assert lo <= held[0].data_ptr() < hi
