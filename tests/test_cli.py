@@ -131,7 +131,7 @@ def test_changelog_has_unreleased_and_the_current_version():
 
 def test_library_wheel_holds_only_the_library():
     project = _toml(os.path.join(REPO, "pyproject.toml"))
-    assert project["tool"]["setuptools"]["packages"] == ["mploader"]
+    assert project["tool"]["setuptools"]["packages"] == ["mploader", "mploader.integrations"]
     bench = _toml(os.path.join(REPO, "bench", "pyproject.toml"))
     assert bench["tool"]["setuptools"]["packages"] == ["mploader_bench"]
     assert os.path.isdir(os.path.join(REPO, "bench", "mploader_bench"))
