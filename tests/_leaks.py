@@ -21,10 +21,10 @@ or mapped, registered it with the resource tracker, or its name carries, as a
 either snapshot (torch's ``torch_<pid>_...``).  An entry that another process makes
 and removes, or keeps, is never counted.
 
-multiprocessing's helper daemons (the resource tracker, the fork server and the
-resource sharer's listener thread) are started on first use and live until the
-interpreter exits, by design: they are recognised by the pid and descriptors that
-multiprocessing records for them, wherever in a test they start.
+multiprocessing's helpers (the resource tracker, the fork server, the resource
+sharer's listener thread, the shared heap's arenas) are made on first use and live
+until the interpreter exits, by design: they are recognised by the pid, descriptors
+and inodes that multiprocessing records for them, wherever in a test they start.
 """
 from __future__ import annotations
 
@@ -40,35 +40,48 @@ SHM_DIR = "/dev/shm"
 _TOKEN = re.compile(r"[_.\-]")
 
 
-def mp_helpers() -> tuple[set[int], set[int]]:
-    """``(pids, fds)`` of multiprocessing's per-process helper daemons now running in
-    this process tree: the resource tracker (its pid, the pipe to it), the fork
-    server (its pid, its "alive" pipe) and the resource sharer (its listening socket).
-    Only modules already imported are looked at (importing them starts nothing)."""
+def mp_helpers() -> tuple[set[int], set[int], set[int]]:
+    """``(pids, fds, inodes)`` of multiprocessing's per-process helpers now in this
+    process tree, which live until the interpreter exits by design: the resource
+    tracker (its pid, the pipe to it), the fork server (its pid, its "alive" pipe), the
+    resource sharer (its listening socket), and the shared heap's arenas behind
+    ``multiprocessing.Value``/``Array`` (kept for reuse; each file is open twice and
+    mapped, told by its inode).  Only modules already imported are looked at
+    (importing them starts nothing)."""
     pids: set[int] = set()
     fds: set[int] = set()
+    inodes: set[int] = set()
     rt = getattr(sys.modules.get("multiprocessing.resource_tracker"), "_resource_tracker", None)
     fs = getattr(sys.modules.get("multiprocessing.forkserver"), "_forkserver", None)
     rs = getattr(sys.modules.get("multiprocessing.resource_sharer"), "_resource_sharer", None)
+    heap = getattr(getattr(sys.modules.get("multiprocessing.heap"), "BufferWrapper", None), "_heap", None)
     for pid, fd in ((getattr(rt, "_pid", None), getattr(rt, "_fd", None)),
                     (getattr(fs, "_forkserver_pid", None), getattr(fs, "_forkserver_alive_fd", None))):
         if pid is not None:
             pids.add(pid)
         if fd is not None:
             fds.add(fd)
+    zygote = getattr(sys.modules.get("mploader._zygote"), "_Zygote", None)  # mploader's own, one per process
+    if zygote is not None and zygote.pid == os.getpid():
+        if zygote.proc is not None:
+            pids.add(zygote.proc.pid)
+        if zygote.sock is not None and zygote.sock.fileno() >= 0:
+            fds.add(zygote.sock.fileno())
     listener = getattr(getattr(rs, "_listener", None), "_listener", None)
     sock = getattr(listener, "_socket", None)
     if sock is not None and sock.fileno() >= 0:
         fds.add(sock.fileno())
-    return pids, fds
+    for arena in list(getattr(heap, "_arenas", ())):
+        try:
+            inodes.add(os.fstat(arena.fd).st_ino)
+        except (AttributeError, OSError):  # closed, or not a file-backed arena
+            pass
+    return pids, fds, inodes
 
 
 def child_pids() -> set[int]:
     """This process's descendants, less multiprocessing's helper daemons."""
-    out = set()
-    for p in psutil.Process().children(recursive=True):
-        out.add(p.pid)
-    return out - mp_helpers()[0]
+    return {p.pid for p in psutil.Process().children(recursive=True)} - mp_helpers()[0]
 
 
 def open_fds() -> dict[int, tuple[str, int]]:
@@ -81,20 +94,21 @@ def open_fds() -> dict[int, tuple[str, int]]:
             out[int(name)] = (os.readlink(path), os.stat(path).st_ino)
         except OSError:  # the fd listdir itself used, or one closed meanwhile by another thread
             pass
-    for fd in mp_helpers()[1]:
-        out.pop(fd, None)
-    return out
+    _, helper_fds, helper_inodes = mp_helpers()
+    return {fd: t for fd, t in out.items() if fd not in helper_fds and t[1] not in helper_inodes}
 
 
 def shared_mappings() -> dict[tuple[str, int], str]:
-    """``{(device, inode): path}`` of the memfds and ``/dev/shm`` files this process maps."""
+    """``{(device, inode): path}`` of the memfds and ``/dev/shm`` files this process maps
+    (less multiprocessing's heap arenas)."""
     out = {}
     with open("/proc/self/maps") as f:
         for line in f:
             parts = line.split(None, 5)
             if len(parts) == 6 and ("memfd:" in parts[5] or parts[5].startswith(SHM_DIR + "/")):
                 out[(parts[3], int(parts[4]))] = parts[5].strip()
-    return out
+    helper_inodes = mp_helpers()[2]
+    return {key: path for key, path in out.items() if key[1] not in helper_inodes}
 
 
 def memfd_mappings() -> list[str]:

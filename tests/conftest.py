@@ -14,7 +14,14 @@ Long-lived helpers, handled explicitly:
   helpers and creates what they keep (a descriptor handed to the resource sharer):
   it is set up before the snapshot is taken;
 * module- and session-scoped fixtures (a module's long-lived loaders) are set up
-  before any function-scoped fixture, hence before the snapshot.
+  before any function-scoped fixture, hence before the snapshot;
+* tqdm's process-wide write lock (a multiprocessing RLock: a mapped POSIX semaphore,
+  made at the first progress bar and kept) is made here, before any test.
+
+After the test the item's fixture values are dropped before the comparison: their
+teardowns have run (this fixture is set up first, so torn down last), and a value
+released by deallocation (a closed Region keeps its mapping until it is collected)
+would otherwise still be held by the item until pytest drops it after teardown.
 
 ``no_leaks`` is kept for tests that name it: it is the same check (the snapshot of
 the autouse fixture).
@@ -33,6 +40,12 @@ from _leaks import (  # noqa: F401 - re-exported for `from conftest import ...`
 )
 
 record_mp_names()
+try:
+    import tqdm
+except ImportError:
+    pass
+else:
+    tqdm.tqdm.get_lock()
 
 
 @pytest.fixture(autouse=True)
@@ -42,6 +55,8 @@ def _no_leaks(request):
         request.getfixturevalue("mp_helpers")
     before = Snapshot()
     yield before
+    if request.node.funcargs:
+        request.node.funcargs.clear()
     assert_no_leaks(before)
 
 

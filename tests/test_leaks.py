@@ -227,6 +227,16 @@ def test_multiprocessing_helper_daemons_are_not_leaks():
     assert check(before) == []
 
 
+def test_multiprocessing_shared_heap_is_not_a_leak():
+    """multiprocessing.Value lives in the shared heap's arenas, which multiprocessing keeps
+    until exit (a /dev/shm file, open twice and mapped): not counted, wherever made."""
+    import multiprocessing
+    before = Snapshot()
+    values = [multiprocessing.get_context("fork").Value("i", k, lock=False) for k in range(3)]
+    assert [v.value for v in values] == [0, 1, 2]
+    assert check(before) == []
+
+
 def _echo_once(conn):
     conn.recv()
 
@@ -234,7 +244,8 @@ def _echo_once(conn):
 def test_a_leaking_test_fails_in_any_module(tmp_path):
     """The autouse fixture itself: a child pytest with this directory's conftest runs a
     module not named test_core_*; its leaking test errors at teardown naming the leak,
-    the clean one passes, and so does one that starts its helpers in ``mp_helpers``."""
+    the clean one passes, and so do one that starts its helpers in ``mp_helpers`` and
+    one whose fixture value holds a mapping until it is collected."""
     for name in ("conftest.py", "_leaks.py"):
         shutil.copy(os.path.join(HERE, name), tmp_path / name)
     (tmp_path / "test_planted.py").write_text(textwrap.dedent("""
@@ -257,10 +268,25 @@ def test_a_leaking_test_fails_in_any_module(tmp_path):
 
         def test_with_helpers(mp_helpers):
             pass
+
+        class Held:  # a shared mapping released only when collected (as a closed Region's)
+            def __init__(self):
+                import mmap
+                fd = os.memfd_create("held")
+                os.ftruncate(fd, mmap.PAGESIZE)
+                self.m = mmap.mmap(fd, mmap.PAGESIZE)
+                os.close(fd)
+
+        @pytest.fixture
+        def held():
+            yield Held()
+
+        def test_with_a_value_released_when_collected(held):
+            pass
     """))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-p", "no:randomly",
                            str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr
-    assert "3 passed, 1 error" in out, out  # the leaking test passes, its teardown errs
+    assert "4 passed, 1 error" in out, out  # the leaking test passes, its teardown errs
     assert "ERROR at teardown of test_leaks_a_pipe" in out and "file descriptors left open" in out, out

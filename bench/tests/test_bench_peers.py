@@ -75,11 +75,12 @@ def _children():
 
 
 def _wait_gone(pids, seconds=30.0):
-    """Pids still present (zombies included) after waiting up to `seconds`."""
+    """Pids still children of this process (zombies included) after waiting up to
+    `seconds` (only children are looked at: another process may get a freed pid)."""
     deadline = time.monotonic() + seconds
     alive = set(pids)
     while alive and time.monotonic() < deadline:
-        alive = {p for p in alive if psutil.pid_exists(p)}
+        alive &= {p.pid for p in psutil.Process().children(recursive=True)}
         if alive:
             time.sleep(0.05)  # polling the OS against a deadline, not synchronising
     return alive
