@@ -474,7 +474,10 @@ def abandon_runs(sched):
 
 from cpython.object cimport Py_TYPE as _type_of, PyObject as _PyObject
 from cpython.pycapsule cimport PyCapsule_GetPointer
+from libc.stdint cimport uintptr_t
 from libc.string cimport memset
+
+import sys
 
 cdef extern from *:
     """
@@ -571,13 +574,23 @@ def field_equal(object obj, Py_ssize_t offset, bytes data, Py_ssize_t at, Py_ssi
     return memcmp(_field(obj, offset, n), PyBytes_AS_STRING(data) + at, <size_t>n) == 0
 
 
-def buffer_equal(const unsigned char[::1] buffer, bytes data, Py_ssize_t at):
-    """Whether the C-contiguous ``buffer`` is ``data[at:at + len(buffer)]``.  Raises
-    ValueError when that range is not inside ``data``."""
-    cdef Py_ssize_t n = buffer.shape[0]
+def tensor_equal(object tensor, bytes data, Py_ssize_t at):
+    """Whether the bytes of ``tensor`` -- a ``torch.Tensor`` on the CPU, contiguous
+    (a generator's ``get_state()``) -- are ``data[at:at + tensor.nbytes]`` (``memcmp``;
+    the tensor's memory found through its own ``data_ptr()``, which never leaves this
+    function).  Raises TypeError for another object, ValueError for a tensor on another
+    device or not contiguous, or when the range is not inside ``data``."""
+    torch = sys.modules.get("torch")
+    if torch is None or type(tensor) is not torch.Tensor:
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_cpu or not tensor.is_contiguous():
+        raise ValueError(f"tensor must be a contiguous CPU tensor, got one on {tensor.device} "
+                         f"(contiguous: {tensor.is_contiguous()})")
+    cdef Py_ssize_t n = tensor.nbytes
     if at < 0 or at > len(data) - n:
         raise ValueError(f"at must leave {n} bytes inside {len(data)} bytes of data, got {at}")
-    return n == 0 or memcmp(&buffer[0], PyBytes_AS_STRING(data) + at, <size_t>n) == 0
+    cdef uintptr_t address = tensor.data_ptr()
+    return n == 0 or memcmp(<const void *>address, PyBytes_AS_STRING(data) + at, <size_t>n) == 0
 
 
 # ---- collation checks (mploader/_collate.py) ----

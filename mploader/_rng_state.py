@@ -96,6 +96,7 @@ class _Layout:
     np_gauss = 0                # offset of aug_bitgen_t.has_gauss in a RandomState
     forced = False              # forced_fallback() is active
     logged = False              # path() logged the fallback
+    targets: tuple | None = None  # the last (generator, RandomState, MT19937) _fast() accepted
 
 
 def _runtime_reason() -> str | None:
@@ -189,7 +190,17 @@ def _generators() -> tuple[Any, Any]:
 
 def _fast() -> tuple[Any, Any, Any] | None:
     """(random's generator, NumPy's RandomState, its MT19937) when the in-place path
-    applies to them now; None: the fallback."""
+    applies to them now; None: the fallback.  Once per batch or more: the objects
+    accepted last are compared by identity (0.1 us), anything else checked afresh."""
+    t = _Layout.targets
+    if t is not None:
+        try:
+            if (random.setstate.__self__ is t[0] and np.random.set_state.__self__ is t[1]  # type: ignore[attr-defined]
+                    and t[1]._bit_generator is t[2]):
+                return t
+        except AttributeError:   # a module function replaced by one that is not a bound method
+            pass
+    _Layout.targets = None
     if not _Layout.done:
         _calibrate()
     if _Layout.reason is not None or _Layout.forced:
@@ -198,7 +209,10 @@ def _fast() -> tuple[Any, Any, Any] | None:
     if type(inst) is not random.Random or type(rs) is not _RandomState:
         return None
     bitgen = rs._bit_generator
-    return (inst, rs, bitgen) if type(bitgen) is _MT19937 else None
+    if type(bitgen) is not _MT19937:
+        return None
+    _Layout.targets = (inst, rs, bitgen)
+    return _Layout.targets
 
 
 def path() -> str:
@@ -232,7 +246,7 @@ def forced_fallback() -> Iterator[None]:
     ``bench/resume_cost.py``.  ``MPLOADER_RNG_FALLBACK=1`` does the same for a whole
     process and the workers it spawns."""
     saved = _Layout.forced
-    _Layout.forced = True
+    _Layout.forced, _Layout.targets = True, None
     try:
         yield
     finally:
@@ -243,7 +257,7 @@ def recheck() -> None:
     """Forget the calibration (and whether the fallback was logged): the next use
     checks the interpreter, ``MPLOADER_RNG_FALLBACK`` and the layout again."""
     _Layout.done = _Layout.logged = False
-    _Layout.reason = None
+    _Layout.reason = _Layout.targets = None
 
 
 def seed(seed64: int) -> None:
@@ -261,9 +275,10 @@ def seed(seed64: int) -> None:
         _hot.field_clear(rs, _Layout.np_gauss, _NP_GAUSS.size)
         return
     random.setstate((3, _WORDS.unpack(_hot.mt_words(seed64)) + (_MT_WORDS,), None))
-    # A tuple of ints, not an array: MT19937's setter indexes the key word by word
-    # (2 us instead of 34 us; the same state).
-    np.random.set_state(("MT19937", _WORDS.unpack(_hot.mt_words(seed64 ^ _NUMPY_SALT)), _MT_WORDS, 0, 0.0))
+    # A tuple of ints, not an array (NumPy's stubs ask for one): MT19937's setter
+    # indexes the key word by word, 2 us instead of 34 us; the same state.
+    key = _WORDS.unpack(_hot.mt_words(seed64 ^ _NUMPY_SALT))
+    np.random.set_state(("MT19937", key, _MT_WORDS, 0, 0.0))  # type: ignore[arg-type]
 
 
 def capture() -> bytes:
@@ -315,8 +330,8 @@ def _unchanged(last: bytes, inst: Any, rs: Any, bitgen: Any) -> bool:
     torch = sys.modules.get("torch")
     if torch is None or not hasattr(torch, "default_generator"):
         return len(last) == _FIXED
-    state = torch.default_generator.get_state().numpy()
-    return len(last) == _FIXED + state.size and _hot.buffer_equal(state, last, _FIXED)
+    state = torch.default_generator.get_state()
+    return len(last) == _FIXED + state.nbytes and _hot.tensor_equal(state, last, _FIXED)
 
 
 def to_json(blob: bytes) -> dict:

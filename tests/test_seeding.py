@@ -208,14 +208,27 @@ def test_hot_takes_objects_and_offsets_inside_them():
         _hot.field_clear(r, -1, 16)
     with pytest.raises(ValueError, match="at must leave 8 bytes inside 4 bytes of data, got 0"):
         _hot.field_equal(r, 0, b"abcd", 0, 8)
-    with pytest.raises(ValueError, match="at must leave 3 bytes inside 4 bytes of data, got 2"):
-        _hot.buffer_equal(b"xyz", b"abcd", 2)
-    assert _hot.buffer_equal(b"bc", b"abcd", 1) and not _hot.buffer_equal(b"bd", b"abcd", 1)
+    with pytest.raises(TypeError, match="tensor must be a torch.Tensor, got bytes"):
+        _hot.tensor_equal(b"xyz", b"abcd", 0)
     bitgen = np.random.MT19937(5)
     offset = _hot.state_offset(bitgen)
     assert _hot.field_bytes(bitgen, offset, 4) == np.uint32(bitgen.state["state"]["key"][0]).tobytes()
     with pytest.raises(AttributeError):
         _hot.state_offset(r)
+
+
+def test_tensor_equal_compares_a_cpu_tensor_in_place():
+    torch = pytest.importorskip("torch")
+    t = torch.arange(5, dtype=torch.uint8)
+    data = b"ab" + bytes(range(5))
+    assert _hot.tensor_equal(t, data, 2) and not _hot.tensor_equal(t, data, 1)
+    assert _hot.tensor_equal(torch.arange(3, dtype=torch.int32), b"".join(
+        int(i).to_bytes(4, sys.byteorder) for i in range(3)), 0)
+    with pytest.raises(ValueError, match="at must leave 5 bytes inside 7 bytes of data, got 3"):
+        _hot.tensor_equal(t, data, 3)
+    with pytest.raises(ValueError, match=r"tensor must be a contiguous CPU tensor, got one on cpu \(contiguous: "
+                                         r"False\)"):
+        _hot.tensor_equal(torch.arange(6, dtype=torch.uint8).reshape(2, 3).t(), data, 0)
 
 
 # ---- the loaders ----
