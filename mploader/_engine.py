@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import _ring
+from . import _ring, _spec
 from ._errors import WorkerError
 from ._executors import START_METHODS, InlineRun, ThreadRun, WorkerProcess, start_worker, stop_workers
 from ._metrics import BusyCells, engine_stats
@@ -65,6 +65,7 @@ class _Resources:
         self.region: Any = None
         self.workers: list[WorkerProcess] = []
         self.busy: BusyCells | None = None    # the workers' busy counters (_metrics)
+        self.transport = _spec.Transport()    # the spec as spawn/forkserver workers receive it
         self.owner_pid = os.getpid()
         self.released = False   # release() has begun (close(), or the finalizer: gc or interpreter exit)
 
@@ -78,6 +79,7 @@ class _Resources:
         stop_workers(workers, grace_s)
         if self.busy is not None:
             self.busy.close()
+        self.transport.close()
         if self.region is not None:
             # Closed and dropped: the mapping goes with the last lease that holds the
             # Region (every batch still alive keeps its memory valid).
@@ -92,6 +94,7 @@ class _Resources:
         if self.busy is not None:
             self.busy.forget()
             self.busy = None
+        self.transport.forget()
         if self.region is not None:
             self.region.forget()
             self.region = None
@@ -311,6 +314,8 @@ class Engine:
                 res.busy = BusyCells(self.num_workers, passed_fd=self.start_method != "fork")
                 self._scheduler.meter.busy = res.busy
         self._scheduler.replace_dead()
+        if not res.workers:  # a new generation: it gets the dataset as it is now (mploader._spec)
+            res.transport.renew()
         have = {w.wid for w in res.workers if not w.retiring}
         for wid in range(self.num_workers):
             if wid not in have:
@@ -320,7 +325,7 @@ class Engine:
         res = self._res
         cell = res.busy.allocate() if res.busy is not None else -1
         worker = start_worker(self.spec, wid, res.region, self.start_method, lambda: _drop_all_in_child(res),
-                              busy=res.busy.boot(cell) if res.busy is not None else None)
+                              busy=res.busy.boot(cell) if res.busy is not None else None, transport=res.transport)
         if res.busy is not None:
             res.busy.own(cell, worker)
         return worker

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _fds, _ring
+from . import _fds, _ring, _spec, _zygote
 from ._errors import UNKNOWN_STATUS, ExitStatus
 from ._worker import WorkerBoot, WorkerSpec, batch_seed, fork_main, seed_rngs, spawn_main
 
@@ -76,6 +76,10 @@ class WorkerProcess:
             return True
         if self.process is not None:
             self.process.join(None if block else 0)
+            known = getattr(self.process, "exit_status", None)  # a zygote's worker (_zygote.ZygoteChild)
+            if known is not None:
+                self.status = known
+                return True
             if self.process.exitcode is None:
                 return False
             self.status = ExitStatus.from_exitcode(self.process.exitcode)
@@ -123,11 +127,15 @@ def exited(workers: list[WorkerProcess], timeout_s: float) -> list[WorkerProcess
 
 
 def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
-                 drop_in_child: Callable[[], None], busy: tuple | None = None) -> WorkerProcess:
+                 drop_in_child: Callable[[], None], busy: tuple | None = None,
+                 transport: _spec.Transport | None = None) -> WorkerProcess:
     """Start worker ``wid``: ``fork`` runs :func:`fork_main` in a child of this
-    process; ``spawn``/``forkserver`` start a fresh interpreter that receives ``spec``
-    pickled and the region's memfd as a passed descriptor.  ``busy``: the worker's
-    busy-time cell (:meth:`mploader._metrics.BusyCells.boot`), or None.
+    process; ``spawn``/``forkserver`` fork it from this process's zygote
+    (:mod:`mploader._zygote`; with ``MPLOADER_ZYGOTE=0``, ``multiprocessing`` starts
+    a fresh interpreter), which receives ``spec`` in a memfd (``transport``'s, packed
+    once per generation of workers: :mod:`mploader._spec`) and the region's memfd as
+    passed descriptors.  ``busy``: the worker's busy-time cell
+    (:meth:`mploader._metrics.BusyCells.boot`), or None.
 
     Every descriptor made here is >= 3 and close-on-exec (:mod:`mploader._fds`).
     Where pidfd_open is refused, the worker watches this process's lifeline and this
@@ -139,11 +147,14 @@ def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
     OSError
         EMFILE with a message naming ``RLIMIT_NOFILE``, the descriptors each loader
         uses and how to raise the limit, when too few are left to start the worker.
+    pickle.PicklingError
+        (spawn, forkserver) Part of ``spec`` cannot be pickled even by value; the
+        message names its attribute path (``dataset.transform.fn``).
     """
     what = f"worker {wid} of a loader with num_workers={spec.num_workers}"
     _fds.check_headroom(spec.num_workers, start_method, what)
     try:
-        return _start_worker(spec, wid, region, start_method, drop_in_child, busy)
+        return _start_worker(spec, wid, region, start_method, drop_in_child, busy, transport)
     except OSError as exc:
         if exc.errno in (errno.EMFILE, errno.ENFILE):
             raise _fds.descriptors_exhausted(spec.num_workers, start_method, what) from exc
@@ -151,7 +162,8 @@ def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
 
 
 def _start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
-                  drop_in_child: Callable[[], None], busy: tuple | None) -> WorkerProcess:
+                  drop_in_child: Callable[[], None], busy: tuple | None,
+                  transport: _spec.Transport | None) -> WorkerProcess:
     parent_pid = os.getpid()
     lifeline = -1 if _fds.pidfd_usable() else _fds.lifeline()
     parent_conn, child_conn = _fds.connection_pair()
@@ -198,16 +210,31 @@ def _start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
                 owned.remove(watch_w)
             worker = WorkerProcess(wid, pid, parent_conn, watch_fd=watch_r)
             return worker
-        ctx: Any = multiprocessing.get_context(start_method)
+        own_transport = transport is None  # (a one-off: closed once the worker has its memfd)
+        if transport is None:
+            transport = _spec.Transport()
+            owned.append(transport)
+        packed = transport.get(spec)
         boot = WorkerBoot(wid, parent_pid, child_conn, region_fd=_fds.PassedFd(region.fd), busy=busy,
-                          lifeline=_fds.PassedFd(lifeline) if lifeline >= 0 else -1)
-        proc = ctx.Process(target=spawn_main, args=(spec, boot), name=f"mploader-worker-{wid}", daemon=True)
-        with _fds.stdio_reserved():
-            proc.start()
-        pid = proc.pid
+                          lifeline=_fds.PassedFd(lifeline) if lifeline >= 0 else -1,
+                          spec_fd=_fds.PassedFd(packed.fd))
+        name = f"mploader-worker-{wid}"
+        if _zygote.enabled():
+            proc = _zygote.start_worker(boot, packed.modules, name)
+            owned.append(proc.sentinel)
+            pid = proc.pid
+            watch = proc.sentinel  # its status pipe: readable once the zygote has reaped it
+        else:
+            ctx: Any = multiprocessing.get_context(start_method)
+            proc = ctx.Process(target=spawn_main, args=(None, boot), name=name, daemon=True)
+            with _fds.stdio_reserved():
+                proc.start()
+            pid = proc.pid
+            watch = _fds.dup(proc.sentinel) if lifeline >= 0 else -1
+            owned.append(watch)
         child_conn.close()
-        watch = _fds.dup(proc.sentinel) if lifeline >= 0 else -1
-        owned.append(watch)
+        if own_transport:
+            transport.close()
         return WorkerProcess(wid, pid, parent_conn, proc, watch_fd=watch)
     except BaseException:
         if pid > 0:  # started: it must not outlive a start that failed, nor stay a zombie

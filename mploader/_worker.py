@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _ring, _rng_state
+from . import _ring, _rng_state, _spec
 from ._descriptor import SlotWriter
 from ._errors import BatchFailure
 from ._metrics import WorkerBusy
@@ -92,6 +92,7 @@ class WorkerBoot:
     drop: Callable[[], None] | None = None       # fork: closes what this child must not hold
     busy: tuple | None = None                    # its busy-time cell (mploader._metrics.BusyCells.boot)
     lifeline: Any = -1                           # where pidfd_open is refused: the parent's lifeline (_fds)
+    spec_fd: Any = -1                            # spawn: the memfd holding the WorkerSpec (mploader._spec)
 
 
 def _fresh_std_streams() -> None:
@@ -124,12 +125,15 @@ def fork_main(spec: WorkerSpec, boot: WorkerBoot) -> None:
     _run(spec, boot)
 
 
-def spawn_main(spec: WorkerSpec, boot: WorkerBoot) -> None:
-    """Entry point of a spawned or forkserver worker; never returns."""
+def spawn_main(spec: WorkerSpec | None, boot: WorkerBoot) -> None:
+    """Entry point of a spawned or forkserver worker (started by the zygote or by
+    ``multiprocessing``); never returns.  ``spec`` None: it is unpacked from
+    ``boot.spec_fd`` (:func:`mploader._spec.unpack`) once the worker watches the
+    parent."""
     _run(spec, boot)
 
 
-def _run(spec: WorkerSpec, boot: WorkerBoot) -> None:
+def _run(spec: WorkerSpec | None, boot: WorkerBoot) -> None:
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -147,6 +151,9 @@ def _run(spec: WorkerSpec, boot: WorkerBoot) -> None:
             fd = boot.region_fd
             region = _ring.attach_region(fd)  # maps its own duplicate of the memfd
             os.close(fd)
+        if spec is None:  # its arrays: views of a copy-on-write mapping shared by every worker
+            spec = _spec.unpack(boot.spec_fd)
+            os.close(boot.spec_fd)
         init_failure = _init(spec, boot.worker_id)
         _loop(spec, boot, region, init_failure)
     except SystemExit as exc:  # sys.exit() in user code: exit with the status it asked for

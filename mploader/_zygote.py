@@ -1,0 +1,426 @@
+"""A warm zygote: the process that spawn and forkserver workers are forked from.
+
+One zygote per parent process, started at the first spawn/forkserver worker (or
+earlier by :func:`warm`): a fresh interpreter (``sys.executable``, the parent's
+``sys.path``), single-threaded, that imports NumPy, mploader's worker modules,
+torch if the parent imported it, and -- before each fork -- the modules the
+loader's dataset, ``fetch`` and ``worker_init`` come from.  It never runs user code
+besides those imports.
+
+* The parent asks for a worker over a ``SOCK_SEQPACKET`` socket: one message, the
+  worker's :class:`~mploader._worker.WorkerBoot` pickled, its descriptors (task
+  socket, region memfd, spec memfd, busy cells, lifeline, status pipe) passed with
+  ``SCM_RIGHTS`` (:func:`socket.send_fds`).  The zygote forks and replies with the
+  pid; the child unpickles the spec from its memfd (:mod:`mploader._spec`) and runs
+  the worker loop (:func:`mploader._worker.spawn_main`).  A start costs a fork of a
+  small process: milliseconds, with no import and no unpickling of the dataset's
+  arrays, and the workers of one loader initialise in parallel.
+* The zygote is the workers' parent, so it reaps them and writes each one's wait
+  status (4 bytes) into that worker's status pipe, whose read end the loader's
+  process holds (:class:`ZygoteChild`, the ``process`` of a
+  :class:`~mploader._executors.WorkerProcess`).  The pipe reads EOF without a status
+  only if the zygote died before the worker: the status is then unknown.
+* The zygote goes away with its parent: it polls a pidfd of the parent (or, where
+  pidfd_open is refused, its socket, which reads EOF when the parent is gone) and
+  then SIGKILLs the workers it still has and exits.  The workers also watch the
+  parent themselves (:func:`mploader._ring.watch_parent`).
+* ``MPLOADER_ZYGOTE=0`` in the environment turns it off: spawn and forkserver
+  workers are then started by ``multiprocessing`` (a true spawn: a new interpreter
+  per worker).
+
+docs/design.md, "Workers", and docs/faces.md say how this differs from
+``multiprocessing``'s spawn.
+"""
+from __future__ import annotations
+
+import errno
+import importlib
+import io
+import json
+import multiprocessing.connection
+import os
+import pickle
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+from typing import Any
+
+from . import _fds
+from ._errors import UNKNOWN_STATUS, ExitStatus
+
+#: The environment variable that turns the zygote off ("0").
+ENV = "MPLOADER_ZYGOTE"
+_STATUS = struct.Struct("<i")
+_MAX_MESSAGE = 1 << 20
+_MAX_FDS = 16
+#: Seconds the parent waits for the zygote's reply (its start included: importing
+#: torch on a busy machine takes seconds).
+REPLY_TIMEOUT_S = 120.0
+
+
+def enabled() -> bool:
+    """Whether spawn/forkserver workers come from the zygote (``MPLOADER_ZYGOTE`` is not "0")."""
+    return os.environ.get(ENV, "1").strip() != "0"
+
+
+# ---- the parent's side --------------------------------------------------------------
+
+class ZygoteChild:
+    """The parent's handle on the exit status of a worker the zygote forked, read
+    from its status pipe (``sentinel``): the ``process`` of a ``WorkerProcess``,
+    with ``multiprocessing.Process``'s ``join``/``exitcode``/``pid``.
+    ``exit_status``: the :class:`~mploader._errors.ExitStatus` once known."""
+
+    def __init__(self, pid: int, status_fd: int) -> None:
+        self.pid = pid
+        self.sentinel = status_fd
+        self.exit_status: ExitStatus | None = None
+
+    @property
+    def exitcode(self) -> int | None:
+        s = self.exit_status
+        if s is None or (s.exitcode is None and s.signal is None):
+            return None
+        return s.exitcode if s.exitcode is not None else -(s.signal or 0)
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.exit_status is not None:
+            return
+        try:
+            if timeout is not None:
+                ready = select.poll()
+                ready.register(self.sentinel, select.POLLIN)
+                if not ready.poll(max(0, int(timeout * 1000))):
+                    return
+            data = os.read(self.sentinel, _STATUS.size)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EINTR):
+                return
+            data = b""  # closed here: treat as ended, status unknown
+        if len(data) == _STATUS.size:
+            self.exit_status = ExitStatus.from_wait_status(_STATUS.unpack(data)[0])
+        else:  # EOF: the zygote died before reporting, and the worker has exited
+            self.exit_status = UNKNOWN_STATUS
+
+    def is_alive(self) -> bool:
+        self.join(0)
+        return self.exit_status is None
+
+    def close(self) -> None:
+        """(``multiprocessing.Process.close``) Nothing to release: the status pipe
+        belongs to the ``WorkerProcess`` (its ``pidfd``)."""
+
+
+class _Zygote:
+    """This process's zygote (None until started; a forked child starts its own)."""
+
+    pid = -1
+    proc: subprocess.Popen | None = None
+    sock: socket.socket | None = None
+    lock = threading.Lock()
+    preloaded: frozenset[str] = frozenset()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child of the parent must not hold the parent's end of the socket: the
+    # zygote would not see EOF when the parent dies.  (Not closed through the socket
+    # object: another thread of the parent may have been using it.)
+    sock = _Zygote.sock
+    _Zygote.sock, _Zygote.proc, _Zygote.pid = None, None, -1
+    _Zygote.lock = threading.Lock()
+    if sock is not None:
+        try:
+            os.close(sock.detach())
+        except OSError:
+            pass
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _preload() -> list[str]:
+    mods = ["numpy"]
+    if "torch" in sys.modules:
+        mods.append("torch")
+    if "mploader.torch" in sys.modules:
+        mods.append("mploader.torch")
+    return mods
+
+
+def _start() -> None:
+    """Start this process's zygote (the caller holds the lock)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        ours_fd = _fds.off_stdio(ours.detach())
+        theirs_fd = _fds.off_stdio(theirs.detach())
+    except BaseException:
+        ours.close()
+        theirs.close()
+        raise
+    sock = socket.socket(fileno=ours_fd)
+    try:
+        boot = json.dumps({"path": sys.path, "parent": os.getpid(), "fd": theirs_fd, "preload": _preload()})
+        code = ("import sys, json; a = json.loads(sys.argv[1]); sys.path[:] = a['path']; "
+                "from mploader._zygote import main; main(a)")
+        args = [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", code, boot]  # type: ignore[attr-defined]
+        with _fds.stdio_reserved():
+            proc = subprocess.Popen(args, pass_fds=[theirs_fd], stdin=subprocess.DEVNULL, close_fds=True)
+    except BaseException:
+        sock.close()
+        os.close(theirs_fd)
+        raise
+    os.close(theirs_fd)
+    _Zygote.proc, _Zygote.sock, _Zygote.pid = proc, sock, os.getpid()
+    _Zygote.preloaded = frozenset(_preload())
+
+
+def _ensure() -> socket.socket:
+    if _Zygote.pid == os.getpid() and _Zygote.proc is not None and _Zygote.proc.poll() is None:
+        assert _Zygote.sock is not None
+        return _Zygote.sock
+    if _Zygote.sock is not None and _Zygote.pid == os.getpid():
+        _Zygote.sock.close()
+    _Zygote.sock = None
+    if _Zygote.proc is not None and _Zygote.pid == os.getpid():
+        _Zygote.proc.wait()  # (it died: reap it)
+    _start()
+    assert _Zygote.sock is not None
+    return _Zygote.sock
+
+
+def warm() -> None:
+    """Start this process's zygote now, if it is not running (it then preloads while
+    this process goes on); a no-op where the zygote is turned off."""
+    if not enabled():
+        return
+    with _Zygote.lock:
+        _ensure()
+
+
+def zygote_pid() -> int | None:
+    """The pid of this process's zygote, None if none is running."""
+    proc = _Zygote.proc
+    if proc is None or _Zygote.pid != os.getpid() or proc.poll() is not None:
+        return None
+    return proc.pid
+
+
+class _FdPickler(pickle.Pickler):
+    """Pickles a boot, its descriptors (``_fds.PassedFd``, Connections) as indices
+    into the list of descriptors passed beside it."""
+
+    def __init__(self, file: Any, fds: list[int]) -> None:
+        super().__init__(file, protocol=5)
+        self.fds = fds
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _fds.PassedFd):
+            self.fds.append(obj.fd)
+            return ("fd", len(self.fds) - 1)
+        if isinstance(obj, multiprocessing.connection.Connection):
+            self.fds.append(obj.fileno())
+            return ("conn", len(self.fds) - 1)
+        return None
+
+
+class _FdUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, fds: list[int]) -> None:
+        super().__init__(file)
+        self.fds = fds
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, k = pid
+        if kind == "fd":
+            return self.fds[k]
+        if kind == "conn":
+            return multiprocessing.connection.Connection(self.fds[k])
+        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+
+def start_worker(boot: Any, modules: frozenset[str], name: str) -> ZygoteChild:
+    """Fork a worker from this process's zygote (started if needed) with ``boot``
+    (its descriptors as ``_fds.PassedFd``/Connections, duplicated into the worker)
+    after the zygote has imported ``modules``.  Returns its :class:`ZygoteChild`.
+
+    Raises
+    ------
+    OSError
+        The zygote could not be started, or died while starting the worker (the
+        message says which, with its exit status).
+    """
+    status_r, status_w = _fds.pipe()
+    try:
+        fds: list[int] = []
+        f = io.BytesIO()
+        _FdPickler(f, fds).dump(boot)
+        fds.append(status_w)
+        # The zygote reads the outer record; only the worker unpickles the boot (the
+        # zygote never holds objects that own the passed descriptors).
+        message = pickle.dumps((sorted(modules), sys.path, os.getcwd(), dict(os.environ), name, f.getvalue()),
+                               protocol=5)
+        with _Zygote.lock:
+            reply = _ask(message, fds)
+        os.close(status_w)
+        status_w = -1
+        kind, value = pickle.loads(reply)
+        if kind != "ok":
+            raise OSError(errno.ECHILD, f"the zygote could not start {name}: {value}")
+        return ZygoteChild(int(value), status_r)
+    except BaseException:
+        os.close(status_r)
+        if status_w >= 0:
+            os.close(status_w)
+        raise
+
+
+def _ask(message: bytes, fds: list[int]) -> bytes:
+    for attempt in (0, 1):
+        sock = _ensure()
+        try:
+            socket.send_fds(sock, [message], fds)
+            ready = select.poll()
+            ready.register(sock, select.POLLIN)
+            if not ready.poll(int(REPLY_TIMEOUT_S * 1000)):
+                raise TimeoutError(f"the zygote (pid {zygote_pid()}) did not answer within {REPLY_TIMEOUT_S} s")
+            reply = sock.recv(_MAX_MESSAGE)
+        except (BrokenPipeError, ConnectionResetError):
+            reply = b""
+        if reply:
+            return reply
+        # The zygote died (killed, or out of memory): start a new one, once.
+        proc = _Zygote.proc
+        code = proc.wait() if proc is not None else None
+        if attempt:
+            raise OSError(errno.ECHILD, f"the zygote died while starting a worker (exit status {code})")
+    raise AssertionError("unreachable")
+
+
+# ---- the zygote's side --------------------------------------------------------------
+
+def main(args: dict) -> None:
+    """The zygote's main loop (runs in the process :func:`_start` made)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    parent = int(args["parent"])
+    sock = socket.socket(fileno=int(args["fd"]))
+    for mod in ["numpy", "mploader._worker", "mploader._spec", "cloudpickle", *args["preload"]]:
+        _try_import(mod)
+    from . import _worker
+
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.signal(signal.SIGCHLD, lambda *a: None)
+    signal.set_wakeup_fd(wake_w)
+    try:
+        parent_fd = os.pidfd_open(parent) if hasattr(os, "pidfd_open") else -1
+    except OSError:
+        parent_fd = -1
+    if os.getppid() != parent:  # the parent died while this process started
+        os._exit(0)
+    children: dict[int, int] = {}   # pid -> the write end of its status pipe
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    poller.register(wake_r, select.POLLIN)
+    if parent_fd >= 0:
+        poller.register(parent_fd, select.POLLIN)
+    while True:
+        try:
+            events = poller.poll()
+        except InterruptedError:
+            continue
+        fds_ready = {fd for fd, _ in events}
+        if wake_r in fds_ready:
+            try:
+                while os.read(wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        _reap(children)
+        if parent_fd in fds_ready or (parent_fd < 0 and os.getppid() != parent):
+            _die(children)
+        if sock.fileno() in fds_ready:
+            try:
+                msg, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, _MAX_FDS)
+            except OSError:
+                msg, fds = b"", []
+            if not msg:
+                _die(children)
+            pid_or_error = _fork_worker(msg, fds, sock, wake_r, wake_w, parent_fd, children, _worker)
+            sock.send(pickle.dumps(pid_or_error))
+
+
+def _try_import(mod: str) -> None:
+    if mod in sys.modules:
+        return
+    try:
+        importlib.import_module(mod)
+    except BaseException:  # noqa: BLE001 - the worker imports it again and reports the error
+        pass
+
+
+def _reap(children: dict[int, int]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        fd = children.pop(pid, -1)
+        if fd >= 0:
+            try:
+                os.write(fd, _STATUS.pack(status))
+            except OSError:
+                pass
+            os.close(fd)
+
+
+def _die(children: dict[int, int]) -> None:
+    """The parent is gone: so are its workers and this process."""
+    for pid in children:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os._exit(0)
+
+
+def _fork_worker(msg: bytes, fds: list[int], sock: socket.socket, wake_r: int, wake_w: int, parent_fd: int,
+                 children: dict[int, int], worker: Any) -> tuple[str, Any]:
+    try:
+        modules, path, cwd, env, name, boot_bytes = pickle.loads(msg)
+        if path != sys.path:
+            sys.path[:] = path
+        for mod in modules:
+            _try_import(mod)
+    except BaseException as exc:  # noqa: BLE001 - told to the parent
+        for fd in fds:
+            os.close(fd)
+        return ("error", f"{type(exc).__name__}: {exc}")
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the worker
+        try:
+            signal.set_wakeup_fd(-1)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            for fd in (wake_r, wake_w, parent_fd, sock.detach(), *children.values()):
+                if fd >= 0:
+                    os.close(fd)
+            children.clear()
+            if cwd != os.getcwd():
+                os.chdir(cwd)
+            os.environ.clear()
+            os.environ.update(env)
+            boot = _FdUnpickler(io.BytesIO(boot_bytes), fds).load()
+            worker.spawn_main(None, boot)  # never returns
+        except BaseException:  # noqa: BLE001 - the start failed: say why, exit 1
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            os._exit(1)
+    for fd in fds[:-1]:
+        os.close(fd)
+    children[pid] = fds[-1]   # the status pipe's write end
+    return ("ok", pid)
