@@ -130,12 +130,10 @@ def test_same_batches_as_torchdata(workers, sampler):
         return StatefulDataLoader(Squares(), batch_size=BATCH, num_workers=min(workers, 2), **kw())
 
     want = check_resumes(ours, ours)
+    # torchdata's run is ours and each of its restores continues it: from every position
+    # both loaders resume with the same batches (comparing them again pairwise would
+    # only repeat these runs and restores)
     assert check_resumes(theirs, theirs) == want
-    saved = theirs()
-    states, _ = run_all(saved)
-    ours_states, _ = run_all(ours())
-    for p in range(len(states)):   # the same positions from the same points
-        assert resumed(ours, ours_states[p], len(want) - p) == resumed(theirs, states[p], len(want) - p)
 
 
 @pytest.mark.parametrize("workers,torchdata_wrong", [(0, [0, 1, 2, 3, 4]), (2, [])])
