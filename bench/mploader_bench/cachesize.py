@@ -10,7 +10,7 @@ Examples
 --------
 >>> plan = plan_pool(sample_bytes=150_528, header_bytes=112, llc_bytes=32 << 20)
 >>> plan.samples, plan.total_bytes >= 4 * (32 << 20), plan.capped
-(890, True, False)
+(891, True, False)
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ DEFAULT_LLC_BYTES = 32 << 20
 #: The pool holds at least this many times the LLC, so that a sample drawn at random is
 #: in the cache with a probability of at most about 1 / POOL_FACTOR.
 POOL_FACTOR = 4
-#: Largest pool whatever the machine: 1 GiB (also at most 1/8 of the available memory).
+#: Largest pool whatever the machine: 1 GiB (also at most 1/4 of the available memory).
 POOL_CAP_BYTES = 1 << 30
 SYSFS_CPU0_CACHE = "/sys/devices/system/cpu/cpu0/cache"
 
@@ -144,9 +144,9 @@ def available_memory_bytes() -> int | None:
 
 
 def default_cap_bytes() -> int:
-    """The pool cap: :data:`POOL_CAP_BYTES`, and at most 1/8 of the available memory."""
+    """The pool cap: :data:`POOL_CAP_BYTES`, and at most 1/4 of the available memory."""
     avail = available_memory_bytes()
-    return POOL_CAP_BYTES if avail is None else max(1, min(POOL_CAP_BYTES, avail // 8))
+    return POOL_CAP_BYTES if avail is None else max(1, min(POOL_CAP_BYTES, avail // 4))
 
 
 @dataclass(frozen=True)

@@ -91,8 +91,8 @@ def test_pool_counts_the_headers_of_every_process_against_the_cap():
     assert plan_pool(1 << 20, 0, 1 << 30, cap_bytes=1).samples == 1  # never empty
 
 
-def test_default_cap_is_at_most_1_gib_and_an_eighth_of_the_available_memory(monkeypatch):
-    monkeypatch.setattr(cachesize, "available_memory_bytes", lambda: 4 << 30)
+def test_default_cap_is_at_most_1_gib_and_a_quarter_of_the_available_memory(monkeypatch):
+    monkeypatch.setattr(cachesize, "available_memory_bytes", lambda: 2 << 30)
     assert cachesize.default_cap_bytes() == 512 << 20
     monkeypatch.setattr(cachesize, "available_memory_bytes", lambda: 64 << 30)
     assert cachesize.default_cap_bytes() == cachesize.POOL_CAP_BYTES == 1 << 30
