@@ -325,7 +325,8 @@ class DataLoader:
         ~10 s; ``worker_busy`` (list of float in [0, 1] per worker id, the fraction of
         the epoch it spent on tasks; None where not measured); ``ready_batches``
         (published, waiting to be returned) and ``held_slots`` (slots held by batches
-        the caller still refers to).
+        the caller still refers to); ``seeding`` (``"fast"`` or ``"fallback"``: how the
+        workers seed and capture the global RNGs, docs/design.md "Per-batch seeding").
         :func:`mploader.diagnose` turns them into a verdict."""
         if self._engine is None:
             out = {"batches": 0, "slot": 0, "fallback_inband": 0, "fallback_pipe": 0, "no_free_slot": 0,
