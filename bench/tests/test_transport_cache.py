@@ -163,3 +163,17 @@ def test_sysfs_of_this_machine_if_any_agrees_with_the_reader():
         pytest.skip("no sysfs cache directory here")
     info = last_level_cache(root)
     assert info.source == f"sysfs {root}" and info.level is not None and info.level >= 1
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sizes", "tiny,huge"], "argument --sizes: invalid value 'tiny,huge': expected a comma-separated list "
+                               "of tiny, small, large"),
+    (["--sizes", ","], "argument --sizes: invalid value ','"),
+    (["--cache", "warm"], "argument --cache: invalid choice: 'warm'"),
+])
+def test_bench_command_names_a_bad_cache_or_sizes_argument(argv, message, capsys, tmp_path):
+    from mploader_bench import cli
+
+    assert cli.main(["--suite", "transport", "--out", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mploader bench: error: ") and message in err and err.count("\n") == 1
