@@ -1,0 +1,337 @@
+"""spawn/forkserver workers forked from the warm zygote (issue 27, mploader/_zygote.py):
+the same batches as the fork path and as torch's DataLoader, nothing of the parent's
+threads, locks or state in the workers, exit statuses through the zygote, and a zygote
+that goes away with its parent."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+import mploader
+from mploader import _zygote
+
+METHODS = ["fork", "spawn", "forkserver"]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Squares:
+    def __init__(self, n: int = 37) -> None:
+        self.x = np.arange(n * 3, dtype=np.float64).reshape(n, 3)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.x[i] ** 2 + np.random.random()   # seeded per batch: the same for any method
+
+
+def gluon_batches(method: str, dataset, **kw) -> list[list]:
+    with mploader.DataLoader(dataset, batch_size=4, num_workers=2, start_method=method, seed=5, **kw) as loader:
+        return [np.asarray(b).tolist() for b in loader]
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_gluon_face_batches_are_the_fork_paths(method):
+    assert gluon_batches(method, Squares()) == gluon_batches("fork", Squares())
+
+
+def test_workers_come_from_the_zygote_and_it_is_reused():
+    with mploader.DataLoader(Squares(), batch_size=4, num_workers=2, start_method="spawn") as a:
+        list(a)
+        zygote = _zygote.zygote_pid()
+        assert zygote is not None
+        assert {psutil.Process(p).ppid() for p in a._engine.worker_pids()} == {zygote}
+    with mploader.DataLoader(Squares(), batch_size=4, num_workers=3, start_method="forkserver") as b:
+        list(b)
+        assert {psutil.Process(p).ppid() for p in b._engine.worker_pids()} == {zygote}
+        assert _zygote.zygote_pid() == zygote
+
+
+# ---- torch face: map-style, iterable, lambdas, local classes -------------------------------
+
+try:
+    import torch
+    from torch.utils.data import DataLoader as TorchDataLoader
+    from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+    import mploader.torch as mt
+except ImportError:  # the core suite runs without torch
+    torch = None
+    Dataset = IterableDataset = object  # type: ignore[misc,assignment]
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed")
+
+
+class MapDS(Dataset):
+    def __len__(self) -> int:
+        return 23
+
+    def __getitem__(self, i: int):
+        return {"x": torch.full((2,), float(i)), "r": torch.rand(1), "i": i}
+
+
+class IterDS(IterableDataset):
+    def __iter__(self):
+        info = get_worker_info()
+        wid, n = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(wid, 19, n):
+            yield torch.tensor([i, wid])
+
+
+def as_lists(batches) -> list:
+    out = []
+    for b in batches:
+        if isinstance(b, dict):
+            out.append({k: v.tolist() if hasattr(v, "tolist") else v for k, v in b.items()})
+        else:
+            out.append(b.tolist() if hasattr(b, "tolist") else b)
+    return out
+
+
+def run_both(dataset, method: str, **kw) -> tuple[list, list]:
+    """(mploader.torch's batches under ``method``, torch's under fork), same seed."""
+    kw.setdefault("batch_size", 4)
+    got = as_lists(mt.DataLoader(dataset, num_workers=2, multiprocessing_context=method,
+                                 generator=torch.Generator().manual_seed(3), **kw))
+    ref = as_lists(TorchDataLoader(dataset, num_workers=2, multiprocessing_context="fork",
+                                   generator=torch.Generator().manual_seed(3), **kw))
+    return got, ref
+
+
+@needs_torch
+@pytest.mark.parametrize("method", METHODS)
+def test_torch_face_map_style_batches_are_torchs(method):
+    got, ref = run_both(MapDS(), method, shuffle=True)
+    assert got == ref
+
+
+@needs_torch
+@pytest.mark.parametrize("method", METHODS)
+def test_torch_face_iterable_batches_are_torchs(method):
+    got, ref = run_both(IterDS(), method)
+    assert got == ref
+
+
+@needs_torch
+@pytest.mark.parametrize("method", METHODS)
+def test_lambda_collate_and_local_classes_work_under_every_method(method):
+    class LocalDS(Dataset):       # a local class: pickled by value
+        def __init__(self) -> None:
+            self.scale = lambda v: v * 10           # a lambda attribute too
+
+        def __len__(self) -> int:
+            return 10
+
+        def __getitem__(self, i: int):
+            return self.scale(i)
+
+    seen = []
+
+    def init_fn(worker_id: int) -> None:            # a local function: by value
+        seen.append(worker_id)                      # (in the worker's copy of the closure)
+
+    got, ref = run_both(LocalDS(), method, collate_fn=lambda b: [x + 1 for x in b], worker_init_fn=init_fn)
+    assert got == ref == [[1, 11, 21, 31], [41, 51, 61, 71], [81, 91]]
+    assert seen == []                               # the workers' appends stayed in the workers
+
+
+NOTEBOOK = textwrap.dedent("""
+    import json, sys
+    import torch
+    import mploader.torch as mt
+
+    class Cells(torch.utils.data.Dataset):          # defined in __main__, as in a notebook
+        def __len__(self):
+            return 9
+        def __getitem__(self, i):
+            return torch.tensor([i * 2.0]) + torch.rand(1)
+
+    def collate(batch):                             # a __main__ function
+        return torch.cat(batch).sum()
+
+    out = {}
+    for method in ["fork", "spawn", "forkserver"]:
+        loader = mt.DataLoader(Cells(), batch_size=3, num_workers=2, multiprocessing_context=method,
+                               collate_fn=collate, generator=torch.Generator().manual_seed(1))
+        out[method] = [float(b) for b in loader]
+        loader.close()
+    print(json.dumps(out))
+""")
+
+
+@needs_torch
+def test_a_notebook_style_main_class_works_under_every_method(tmp_path):
+    script = tmp_path / "notebook.py"
+    script.write_text(NOTEBOOK)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(out["fork"]) == 3
+    assert out["spawn"] == out["fork"] and out["forkserver"] == out["fork"]
+
+
+# ---- what the workers do not inherit -------------------------------------------------------
+
+#: Held by a thread of the parent for the whole test (as a logging or stdout lock can be).
+HELD = threading.Lock()
+#: Changed in the parent at test time: a fresh worker sees the value the module sets.
+STATE = {"x": 0}
+
+
+class LockProbe:
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        free = HELD.acquire(blocking=False)
+        if free:
+            HELD.release()
+        threads = threading.active_count()
+        return np.array([free, threads, STATE["x"], "test_zygote_parent_only" in sys.modules], np.int64)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_workers_do_not_inherit_the_parents_threads_locks_or_state(method):
+    release = threading.Event()
+    held = threading.Event()
+
+    def hold() -> None:
+        with HELD:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    held.wait(10)
+    STATE["x"] = 7
+    sys.modules["test_zygote_parent_only"] = sys   # a module only the parent has
+    try:
+        with mploader.DataLoader(LockProbe(), batch_size=2, num_workers=2, start_method=method,
+                                 timeout=60) as loader:
+            rows = np.concatenate([np.asarray(b) for b in loader]).tolist()
+    finally:
+        release.set()
+        holder.join()
+        STATE["x"] = 0
+        del sys.modules["test_zygote_parent_only"]
+    if method == "fork":   # the reference: fork copies the held lock, the state and the module
+        assert all(r == [0, 1, 7, 1] for r in rows), rows
+    else:                  # a fresh lock, one thread, the module's own state, no parent-only module
+        assert all(r == [1, 1, 0, 0] for r in rows), rows
+
+
+# ---- exit statuses through the zygote --------------------------------------------------------
+
+class Dies:
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> int:
+        if i == 5:
+            if self.how == "exit":
+                os._exit(7)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return i
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+@pytest.mark.parametrize("how, says", [("exit", "exited with code 7"), ("kill", "killed by signal 9 (SIGKILL)")])
+def test_a_workers_exit_status_reaches_the_worker_error(method, how, says):
+    loader = mploader.DataLoader(Dies(how), batch_size=2, num_workers=2, start_method=method, timeout=60)
+    try:
+        with pytest.raises(mploader.WorkerError) as info:
+            list(loader)
+        assert says in str(info.value)
+        assert (info.value.exitcode, info.value.signal) == ((7, None) if how == "exit" else (None, 9))
+    finally:
+        loader.close()
+
+
+# ---- the zygote goes with its parent -----------------------------------------------------------
+
+PARENT = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    import mploader
+    from mploader import _zygote
+
+    class DS:
+        def __len__(self):
+            return 10 ** 6
+        def __getitem__(self, i):
+            return np.zeros(4)
+
+    loader = mploader.DataLoader(DS(), batch_size=2, num_workers=2, start_method=sys.argv[1])
+    it = iter(loader)
+    next(it)
+    print(_zygote.zygote_pid(), *loader._engine.worker_pids(), flush=True)
+    sys.stdin.read()   # until killed
+""")
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_the_zygote_and_its_workers_go_away_with_a_killed_parent(tmp_path, method):
+    script = tmp_path / "parent.py"
+    script.write_text(PARENT)
+    parent = subprocess.Popen([sys.executable, str(script), method], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        line = parent.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 3, line
+        procs = [psutil.Process(p) for p in pids]
+    finally:
+        parent.kill()
+        parent.wait()
+        parent.stdin.close()
+        parent.stdout.close()
+    deadline = time.monotonic() + 1.0
+    left = procs
+    while left and time.monotonic() < deadline:
+        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if left:
+            psutil.wait_procs(left, timeout=0.02)
+    assert not left, f"still alive 1 s after the parent's SIGKILL: {left}"
+
+
+def test_a_true_spawn_remains_behind_mploader_zygote_0(tmp_path):
+    script = tmp_path / "true_spawn.py"
+    script.write_text(textwrap.dedent("""
+        import json
+        import numpy as np
+        import mploader
+        from mploader import _zygote
+
+        class DS:
+            def __len__(self):
+                return 12
+            def __getitem__(self, i):
+                return np.array([i, np.random.randint(1000)])
+
+        if __name__ == "__main__":   # multiprocessing's spawn runs this module again in each worker
+            out = {}
+            for method in ["fork", "spawn"]:
+                with mploader.DataLoader(DS(), batch_size=4, num_workers=2, start_method=method, seed=2) as loader:
+                    out[method] = [np.asarray(b).tolist() for b in loader]
+            out["zygote"] = _zygote.zygote_pid()
+            print(json.dumps(out))
+    """))
+    env = dict(os.environ, MPLOADER_ZYGOTE="0")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["zygote"] is None
+    assert out["spawn"] == out["fork"] and len(out["fork"]) == 3
