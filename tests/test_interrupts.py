@@ -127,7 +127,7 @@ def test_interrupt_storm_with_a_live_thread_loses_no_batch_and_leaks_no_slot(kin
         loader.close()
         stop_threads.set()
         print("OK", hits[0], epochs)
-    """), timeout_s=150)
+    """), timeout_s=90)
     assert out.stdout.split()[-3:-2] == ["OK"], out.stdout
 
 
@@ -193,7 +193,7 @@ def test_ctrl_c_storm_with_a_live_thread_every_completed_epoch_is_whole(kind):
         loader.close()
         stop_threads.set()
         print("OK", interrupted, complete)
-    """), timeout_s=150)
+    """), timeout_s=90)
     assert out.stdout.split()[-3:-2] == ["OK"], out.stdout
 
 
