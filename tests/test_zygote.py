@@ -335,3 +335,40 @@ def test_a_true_spawn_remains_behind_mploader_zygote_0(tmp_path):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["zygote"] is None
     assert out["spawn"] == out["fork"] and len(out["fork"]) == 3
+
+
+@needs_torch
+def test_the_torch_faces_default_follows_multiprocessing_and_gluons_stays_fork(tmp_path):
+    """``multiprocessing_context=None``: the torch face uses
+    ``multiprocessing.get_start_method()`` (as torch does; Python 3.14's default on
+    Linux is forkserver); the Gluon face keeps ``fork``."""
+    script = tmp_path / "default.py"
+    script.write_text(textwrap.dedent("""
+        import json, multiprocessing, os
+        import numpy as np
+        import torch
+        import mploader, mploader.torch as mt
+        from mploader import _zygote
+
+        class DS(torch.utils.data.Dataset):
+            def __len__(self):
+                return 4
+            def __getitem__(self, i):
+                return os.getppid()
+
+        if __name__ == "__main__":
+            multiprocessing.set_start_method("forkserver")
+            loader = mt.DataLoader(DS(), batch_size=2, num_workers=1)
+            parents = [int(p) for b in loader for p in b]
+            out = {"torch": loader._mpl_engine.start_method, "zygote": parents == [_zygote.zygote_pid()] * 4}
+            loader.close()
+            with mploader.DataLoader(DS(), batch_size=2, num_workers=1) as gluon:
+                parents = [int(p) for b in gluon for p in np.asarray(b)]
+                out["gluon"] = gluon._engine.start_method
+                out["gluon_parent_is_us"] = parents == [os.getpid()] * 4
+            print(json.dumps(out))
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"torch": "forkserver", "zygote": True, "gluon": "fork", "gluon_parent_is_us": True}
