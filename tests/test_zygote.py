@@ -372,3 +372,24 @@ def test_the_torch_faces_default_follows_multiprocessing_and_gluons_stays_fork(t
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out == {"torch": "forkserver", "zygote": True, "gluon": "fork", "gluon_parent_is_us": True}
+
+
+def test_a_killed_zygote_is_replaced_at_the_next_start():
+    """The zygote killed (the OOM killer, a stray kill): the next worker start makes a
+    new one; a worker of the old one that dies has an unknown status, never a hang."""
+    loader = mploader.DataLoader(Squares(), batch_size=4, num_workers=1, start_method="spawn", timeout=60)
+    try:
+        assert len(list(loader)) == 10
+        old = _zygote.zygote_pid()
+        assert old is not None
+        orphan = loader._engine._res.workers[0]
+        os.kill(old, signal.SIGKILL)
+        psutil.Process(old).wait(10)   # reaped here: it is this process's child
+        os.kill(orphan.pid, signal.SIGKILL)
+        assert orphan.reap(block=True)
+        assert orphan.status is not None and (orphan.status.exitcode, orphan.status.signal) == (None, None)
+        with mploader.DataLoader(Squares(), batch_size=4, num_workers=2, start_method="spawn", seed=5) as fresh:
+            assert [np.asarray(b).tolist() for b in fresh] == gluon_batches("fork", Squares())
+            assert _zygote.zygote_pid() not in (None, old)
+    finally:
+        loader.close()
