@@ -31,10 +31,11 @@ BUSY_WORKERS = 0.5
 #: Fraction of the epoch's batches dispatched while every slot was held (they travel
 #: pickled through a pipe) from which the loop is transport-bound.
 TRANSPORT_FALLBACK = 0.05
-#: Fraction of the ring's slots the loop holds (batches it still refers to) from which
-#: a waiting loop is transport-bound whatever the workers' busy time: each new batch
-#: then needs a slot grown and faulted in afresh (or the pipe, once none is free),
-#: work the workers do instead of loading samples.  A loop keeping every batch of 100
+#: Fraction of the epoch's batches (or of the ring's slots, when the epoch is longer)
+#: that the loop still holds from which a waiting loop is transport-bound whatever the
+#: workers' busy time: a loop keeping its batches makes each new one take a slot grown
+#: and faulted in afresh (or the pipe, once none is free), work the workers do instead
+#: of loading samples.  A loop keeping every batch of 100
 #: batches of 1.6 MB (2 workers) took 0.42 s against 0.044 s dropping them, with the
 #: workers 65 % busy: "add workers" was the wrong advice.
 HELD_SLOTS = 0.5
@@ -107,8 +108,9 @@ def diagnose(loader: Any) -> Diagnosis:
         rules, in order: fewer than ``MIN_BATCHES`` batches -> unknown; at least
         ``TRANSPORT_FALLBACK`` of the batches dispatched with every slot held ->
         transport-bound; the loop waited at least ``INPUT_WAIT`` of the steady-state
-        time (after the first batch) -> transport-bound if the loop holds at least
-        ``HELD_SLOTS`` of the slots now, else input-bound if there are no worker
+        time (after the first batch) -> transport-bound if the loop still holds at least
+        ``HELD_SLOTS`` of the epoch's batches (of the slots, if there are fewer; at
+        least 2), else input-bound if there are no worker
         processes (the loop loads in-process) or the workers were at least
         ``BUSY_WORKERS`` busy (or busy time is not measured), transport-bound if they
         idled; otherwise compute-bound.
@@ -138,7 +140,7 @@ def diagnose(loader: Any) -> Diagnosis:
     if frac >= INPUT_WAIT:
         workers = len(s.get("worker_busy", []))
         held, slots = int(s.get("held_slots", 0)), int(s.get("num_slots", 0))
-        if workers and slots and held >= max(2, HELD_SLOTS * slots):
+        if workers and slots and held >= max(2, HELD_SLOTS * min(slots, n)):
             return Diagnosis("transport-bound", f"transport-bound: the loop waited {_pct(frac)} of the time and holds "
                                                 f"{held} of the {slots} slots (batches it still refers to), so each "
                                                 "new batch needs a slot grown afresh, or the pipe once none is free; "

@@ -17,7 +17,7 @@ import mploader
 from mploader import _diagnose
 
 FACES = ["gluon", "torch"]
-N = 80          # batches of one epoch: more than half of the default ring (131 slots), fewer than all
+N = 32          # batches of one epoch: fewer than the default ring's 131 slots (the case)
 
 
 class Rows:
@@ -76,6 +76,8 @@ def _stats(**kw):
     (_stats(held_slots=10), "transport-bound", True),              # half the ring, busy workers
     (_stats(held_slots=10, worker_busy=[0.1, 0.1]), "transport-bound", True),
     (_stats(held_slots=9), "input-bound", False),                  # under half: the busy rule
+    (_stats(held_slots=8, num_slots=131, epoch_batches=16), "transport-bound", True),  # half the epoch
+    (_stats(held_slots=7, num_slots=131, epoch_batches=16), "input-bound", False),
     (_stats(held_slots=20, wait_s=0.5), "compute-bound", False),   # the loop does not wait
     (_stats(held_slots=1, num_slots=2), "input-bound", False),     # at least two slots held
     (_stats(held_slots=10, worker_busy=[]), "input-bound", False),  # no workers: loading in-process
