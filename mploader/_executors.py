@@ -47,7 +47,7 @@ class WorkerProcess:
     """
 
     __slots__ = ("wid", "pid", "pidfd", "conn", "fd", "process", "status", "outstanding", "done", "mailbox",
-                 "sent", "retiring", "replaced")
+                 "sent", "retiring", "replaced", "watch_pipe")
 
     def __init__(self, wid: int, pid: int, conn: Any, process: Any = None, watch_fd: int = -1) -> None:
         self.wid = wid
@@ -55,6 +55,7 @@ class WorkerProcess:
         # Readable once the process has exited: a pidfd, or (watch_fd, where pidfd_open
         # is refused) the read end of a pipe whose write end the worker holds.
         self.pidfd = watch_fd if watch_fd >= 0 else _ring.pidfd_open(pid)
+        self.watch_pipe = watch_fd >= 0 and process is None  # a forked worker's fallback pipe
         self.conn = conn
         self.fd = conn.fileno()         # the task pipe, written by _protocol.write_all; -1 once closed
         self.process = process          # multiprocessing.Process for spawn/forkserver, else None
@@ -84,6 +85,8 @@ class WorkerProcess:
                 return False
             self.status = ExitStatus.from_exitcode(self.process.exitcode)
             return True
+        if not block and self.watch_pipe and self.pidfd >= 0 and _hung_up(self.pidfd):
+            block = True  # the pipe hangs up as the worker exits, a moment before it can be reaped
         try:
             pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
         except ChildProcessError:  # SIGCHLD ignored: the kernel reaped it, status lost
@@ -107,6 +110,12 @@ class WorkerProcess:
                 self.process.close()
             except ValueError:  # pragma: no cover - not reaped by multiprocessing yet
                 pass
+
+
+def _hung_up(fd: int) -> bool:
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def exited(workers: list[WorkerProcess], timeout_s: float) -> list[WorkerProcess]:

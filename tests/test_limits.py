@@ -99,16 +99,19 @@ def report(text):
     finally:
         os.close(fd)
 
-def fd_kinds():
-    """{kind: count} of this process's descriptors (memfd names, socket, pidfd, pipe, ...)."""
-    out = collections.Counter()
+def fd_targets():
+    """{fd: what it points at} for this process's descriptors."""
+    out = {}
     for name in os.listdir("/proc/self/fd"):
         try:
-            target = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        out[target.split("[")[0].split(" (")[0].rstrip(":")] += 1
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # (the one listdir used, closed since)
+            pass
     return out
+
+def fd_kinds():
+    """{kind: count} of this process's descriptors (memfd names, socket, anon_inode, pipe, ...)."""
+    return collections.Counter(t.split("[")[0].split(" (")[0].rstrip(":") for t in fd_targets().values())
 
 def cloexec(fd):
     with open(f"/proc/self/fdinfo/{fd}") as f:
@@ -193,13 +196,9 @@ def check_descriptors(where):
     if strict:
         low = limits_ds.stdio_targets()
         assert not low, (where, "descriptors at 0..2", low)
-        for name in os.listdir("/proc/self/fd"):
-            try:
-                target = os.readlink(f"/proc/self/fd/{name}")
-            except OSError:
-                continue
+        for fd, target in fd_targets().items():
             if target.startswith(("/memfd:mploader", "socket:", "anon_inode:[pidfd]")):
-                assert cloexec(int(name)), (where, name, target, "not close-on-exec")
+                assert cloexec(fd), (where, fd, target, "not close-on-exec")
 
 loader = make()
 for _ in range(2):
@@ -291,13 +290,15 @@ if sys.argv[2] == "seccomp":
 loader = mploader.DataLoader(limits_ds.Printing(16, False), batch_size=4, num_workers=2, seed=0, timeout=60,
                              start_method=start_method)
 assert firsts(loader) == list(range(16))
-pidfds = [n for n in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{n}") == "anon_inode:[pidfd]"]
+pidfds = [fd for fd, target in fd_targets().items() if target == "anon_inode:[pidfd]"]
 assert not pidfds, pidfds  # the fallback is in use
 # The parent sees a worker's death through its pipe: a killed idle worker is
 # replaced, and the next epoch is whole.
 first = loader._engine.worker_pids()
+from mploader import _executors
+dead = next(w for w in loader._engine._res.workers if w.pid == first[0])
 os.kill(first[0], signal.SIGKILL)
-os.waitid(os.P_PID, first[0], os.WEXITED | os.WNOWAIT)  # dead (not reaped: the loader reaps it)
+assert _executors.exited([dead], 60) == [dead]  # its fallback watch (a pipe) reports the death
 assert firsts(loader) == list(range(16))
 pids = loader._engine.worker_pids()
 assert first[0] not in pids and len(pids) == 2, (first, pids)
