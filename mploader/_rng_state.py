@@ -245,12 +245,12 @@ def forced_fallback() -> Iterator[None]:
     the internal switch of the tests that compare both paths, and of
     ``bench/resume_cost.py``.  ``MPLOADER_RNG_FALLBACK=1`` does the same for a whole
     process and the workers it spawns."""
-    saved = _Layout.forced
+    saved = _Layout.forced, _Layout.logged
     _Layout.forced, _Layout.targets = True, None
     try:
         yield
     finally:
-        _Layout.forced = saved
+        _Layout.forced, _Layout.logged = saved   # a forced fallback's log line is not the process's
 
 
 def recheck() -> None:
