@@ -363,6 +363,25 @@ int mpl_slot_shrink(mpl_region *r, uint32_t slot, uint64_t need) {
     return MPL_OK;
 }
 
+int mpl_slot_trim(mpl_region *r, uint32_t slot, uint64_t keep) {
+    if (slot >= r->nslots)
+        return MPL_EINVAL;
+    mpl_slot_hdr *h = hdr_of(r, slot);
+    /* Acquire: pairs with the release of E4/E5 (a lease dropped in another thread of
+     * this process); after it, no view of the payload is left and no worker holds the
+     * slot, and none will before our own E1 publishes what we write below. */
+    if ((atomic_load_explicit(&h->state, memory_order_acquire) & MPL_STATE_MASK) != MPL_FREE)
+        return MPL_ESTATE;
+    mpl_slot_meta *m = &h->meta;
+    uint64_t kept = round_up(keep, MPL_PAGE);
+    if (kept >= m->capacity)
+        return MPL_OK;
+    if (fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(m->offset + kept),
+                  (off_t)(m->capacity - kept)) != 0)
+        return MPL_ESYS;
+    return MPL_OK;
+}
+
 int mpl_slot_publish(mpl_region *r, uint32_t slot, uint32_t kind, uint32_t flags, uint64_t used, uint64_t desc_off,
                      uint64_t desc_len) {
     if (slot >= r->nslots)

@@ -245,6 +245,16 @@ int mpl_slot_grow(mpl_region *r, uint32_t slot, uint64_t need, uint64_t preserve
  * MPL_ESYS (the slot is unchanged). */
 int mpl_slot_shrink(mpl_region *r, uint32_t slot, uint64_t need);
 
+/* Parent side, on a FREE slot (docs/design.md, "Slot protocol", trim): give the
+ * memory of the payload's pages beyond round_up(keep, page) bytes back to the kernel
+ * (FALLOC_FL_PUNCH_HOLE).  Offset and capacity stay: no address space is used when
+ * the next batch is written there, its pages are allocated again as they are
+ * touched (and read as zero until then).  Only the region's creator may call it: FREE
+ * slots belong to it, and no worker touches a slot before E1.  A `keep` at or above
+ * the capacity changes nothing.  Returns 0, MPL_EINVAL (slot out of range),
+ * MPL_ESTATE (not FREE; nothing changed) or MPL_ESYS (errno set). */
+int mpl_slot_trim(mpl_region *r, uint32_t slot, uint64_t keep);
+
 /* Edge E2, ASSIGNED -> READY: publish the header fields and payload written so
  * far, and wake the parent if it sleeps on the slot (MPL_WAITER).  Returns 0, MPL_ESTATE (not ASSIGNED; the header is
  * left untouched) or MPL_EINVAL (used > capacity, or the descriptor outside

@@ -4,6 +4,7 @@ from . import batchify, sampler
 from ._collate import default_batchify
 from ._diagnose import Diagnosis, diagnose, set_postfix
 from ._engine import WorkerError
+from ._memory import set_memory_budget
 from ._version import __version__ as __version__
 from .dataloader import DataLoader
 from .distributed import DistributedBatchSampler
@@ -18,6 +19,7 @@ __all__ = [
     "diagnose",
     "Diagnosis",
     "set_postfix",
+    "set_memory_budget",
     "default_batchify",
     "Sampler",
     "SequentialSampler",

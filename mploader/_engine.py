@@ -21,10 +21,10 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import _ring, _spec
+from . import _memory, _ring, _spec
 from ._errors import WorkerError
 from ._executors import START_METHODS, InlineRun, ThreadRun, WorkerProcess, start_worker, stop_workers
-from ._metrics import BusyCells, engine_stats
+from ._metrics import COUNTER_KEYS, BusyCells, engine_stats
 from ._scheduler import Run, Scheduler
 from ._worker import WorkerSpec
 
@@ -289,11 +289,11 @@ class Engine:
         plus the input-pipeline metrics of :func:`mploader._metrics.engine_stats`
         (docs/metrics.md)."""
         counts = self._scheduler.stats
-        out = {k: counts.get(k, 0) for k in
-               ("batches", "slot", "fallback_inband", "fallback_pipe", "no_free_slot", "grown", "errors")}
+        out = {k: counts.get(k, 0) for k in COUNTER_KEYS}
         region = self._res.region
         out["num_slots"] = self.num_slots
         out["shm_bytes"] = region.file_bytes if region is not None else 0
+        out.update(self._scheduler.memory_stats())
         out.update(engine_stats(self, self._scheduler.meter))
         return out
 
@@ -308,7 +308,11 @@ class Engine:
         """Create the region if needed and start the missing workers (ids 0..N-1)."""
         res = self._res
         if res.region is None:
-            res.region = _ring.create_region(self.num_slots, self.shared_mem or 0)
+            reserve = _memory.reserve_bytes()
+            try:
+                res.region = _ring.create_region(self.num_slots, self.shared_mem or 0, reserve)
+            except OSError as exc:
+                raise _memory.region_error(exc, reserve) from exc
             self._scheduler.file_bytes = res.region.file_bytes
             if res.busy is None:
                 res.busy = BusyCells(self.num_workers, passed_fd=self.start_method != "fork")

@@ -33,13 +33,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import _fds, _rng_state
+from . import _fds, _memory, _rng_state
 
 if TYPE_CHECKING:
     from ._engine import Engine
 
 __all__ = ["Meter", "BusyCells", "WorkerBusy", "MeteredRun", "engine_stats", "inline_stats", "empty_stats",
-           "METRIC_KEYS"]
+           "METRIC_KEYS", "COUNTER_KEYS", "idle_transport_stats"]
 
 _now = time.monotonic
 
@@ -56,6 +56,19 @@ _CELL = struct.Struct("<dd")
 #: The keys every face's ``stats()`` adds to the transport counters (docs/metrics.md).
 METRIC_KEYS = ("wait_s", "wall_s", "first_batch_s", "epoch_batches", "epoch_no_free_slot", "epoch_fallback_pipe",
                "batches_per_s", "bytes_per_s", "worker_busy", "ready_batches", "held_slots", "seeding")
+
+
+#: The transport counters every face's ``stats()`` starts with (the engine's
+#: scheduler counts them; zeros before the first run).
+COUNTER_KEYS = ("batches", "slot", "fallback_inband", "fallback_pipe", "no_free_slot", "grown", "errors")
+
+
+def idle_transport_stats() -> dict[str, Any]:
+    """The transport part of ``stats()`` for a loader with no engine (yet): zero
+    counters, no slots, no shared memory, and the memory budget in force."""
+    out: dict[str, Any] = dict.fromkeys(COUNTER_KEYS, 0)
+    out.update(num_slots=0, shm_bytes=0, memory_budget_bytes=_memory.budget_bytes(), memory_held_bytes=0)
+    return out
 
 
 class Meter:

@@ -280,6 +280,30 @@ cdef class Region:
         if rc != MPL_OK:
             self._fail(rc, f"reclaim slot {slot} (needs ASSIGNED or READY)", slot)
 
+    def trim(self, uint32_t slot, uint64_t keep=0):
+        """Give back the memory of a FREE slot's payload pages beyond ``keep`` bytes
+        (rounded up to 4 KiB): the kernel frees them, the slot keeps its range and
+        capacity (no address space is used), and the next batch written there has its
+        pages allocated again as it touches them.
+
+        Returns True once those pages are given back, False if the slot was not FREE
+        (left as it was: a worker or a lease holds it).
+
+        Raises SlotStateError in any process but the region's creator; OSError if
+        the kernel refused (the slot is unchanged).
+        """
+        self._check(slot)
+        if self.owner_pid != mpl_self_pid():
+            self._not_owner(f"trim slot {slot}", "trim slots", "trim the parent's slots")
+        cdef int rc
+        with nogil:
+            rc = mpl_slot_trim(&self.r, slot, keep)
+        if rc == MPL_OK:
+            return True
+        if rc == MPL_ESTATE:
+            return False
+        self._fail(rc, f"trim slot {slot} to {keep} bytes (needs FREE)", slot)
+
     def state(self, uint32_t slot):
         """Current state of ``slot`` (0 FREE, 1 ASSIGNED, 2 READY, 3 LEASED)."""
         self._check(slot)

@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import _hot, _ring
+from . import _hot, _memory, _ring
 from ._descriptor import decode
 from ._errors import UNKNOWN_STATUS, BatchFailure, WorkerError
 from ._executors import WorkerProcess, exited, stop_workers
@@ -104,6 +104,7 @@ class Scheduler:
         # are small (see _adapt_depth); a deeper queue costs fewer wake-ups per batch.
         self.depth = engine.prefetch
         self.auto_max = engine.auto_prefetch or engine.prefetch
+        self.calm = 0                # batches to wait before the depth rises again (_adapt_depth)
         # Task records buffered per worker, sent by _hot.flush with one send() each (what a
         # full socket did not take stays here); and those that never reached a dead
         # worker's socket, for _resend.
@@ -115,6 +116,9 @@ class Scheduler:
         self.runs: dict[weakref.ref, collections.deque] = {}
         self.stats: collections.Counter = collections.Counter()
         self.meter = Meter()         # input-pipeline metrics (_metrics; Run.__next__ times the waits)
+        # What the ring's FREE slots hold, and the memory budget's rules (_memory)
+        self.memory = _memory.RingMemory(engine.num_slots, engine.on_grow is not None, engine._lock, engine._res,
+                                         engine.shared_mem or 0)
 
     # ---- the batch loop ----
 
@@ -127,11 +131,16 @@ class Scheduler:
             return
         self._reap_stale()
         self._reap_retired()
+        if self.memory.outliers:
+            self.memory.trim_outliers()
         try:
             self._fill(run)
             if not inflight:
                 if run.source_error is not None:
                     self._source_failed(run)
+                if self.memory.held:
+                    # the epoch is over: over the budget, this idle ring keeps nothing
+                    self.memory.trim_to_budget(_memory.budget_bytes())
                 raise StopIteration
             task = inflight[0] if run.in_order else self._first_ready(run)
             self._await(task)
@@ -537,6 +546,16 @@ class Scheduler:
         if self.auto_max != self.engine.prefetch and (
                 self.depth < self.auto_max or nbytes * self.depth > SMALL_BATCHES_BYTES):
             self._adapt_depth(nbytes)  # (else the depth is already what it would set)
+        memory = self.memory
+        memory.recent.append(nbytes)
+        budget = _memory.budget_bytes()
+        capacity = lease.capacity
+        if capacity * (self.depth + 2) > budget:   # in flight, held by the loop, just dropped
+            self.depth = _memory.depth_cap(capacity, budget)
+        elif self.depth < self.engine.prefetch and capacity * (self.engine.prefetch + 2) <= budget:
+            self.depth = self.engine.prefetch
+        if (memory.capacity[task.slot] != capacity and memory.note(task.slot, capacity)) or memory.held > budget:
+            memory.trim_to_budget(budget)
         self.stats["batches"] += 1
         self.stats["fallback_inband" if lease.flags & _ring.FLAG_INBAND else "slot"] += 1
 
@@ -557,7 +576,21 @@ class Scheduler:
         "Batches in flight")."""
         fit = SMALL_BATCHES_BYTES // max(nbytes, 1)
         target = max(self.engine.prefetch, min(self.auto_max, fit))
-        self.depth = target if target < self.depth else min(target, self.depth + 1)
+        if target < self.depth:
+            self.depth = target
+            # Held down for a window of batches: with large batches among small ones
+            # (one in five of 32 MiB), rising again at the next small batch kept a
+            # deep queue of a mixture in flight, a fifth of it large (1.1 GB).
+            self.calm = _memory.WINDOW
+        elif self.calm:
+            self.calm -= 1
+        else:
+            self.depth = min(target, self.depth + 1)
+
+    def memory_stats(self) -> dict[str, int]:
+        """``memory_budget_bytes`` (this process's rings together) and
+        ``memory_held_bytes`` (this ring's slots, as the parent last saw them)."""
+        return {"memory_budget_bytes": _memory.budget_bytes(), "memory_held_bytes": self.memory.held}
 
     def _note_growth(self) -> None:
         region = self.res.region

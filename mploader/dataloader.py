@@ -329,8 +329,7 @@ class DataLoader:
         workers seed and capture the global RNGs, docs/design.md "Per-batch seeding").
         :func:`mploader.diagnose` turns them into a verdict."""
         if self._engine is None:
-            out = {"batches": 0, "slot": 0, "fallback_inband": 0, "fallback_pipe": 0, "no_free_slot": 0,
-                   "grown": 0, "errors": 0, "num_slots": 0, "shm_bytes": 0}
+            out = _metrics.idle_transport_stats()
             out.update(_metrics.inline_stats(self._meter, self._meter_counts))
             return out
         return self._engine.stats()

@@ -389,8 +389,7 @@ class MultiprocessIterator:
         before the first batch and with ``n_processes=0``."""
         engine = self._engine
         if engine is None:
-            out = {"batches": 0, "slot": 0, "fallback_inband": 0, "fallback_pipe": 0, "no_free_slot": 0,
-                   "grown": 0, "errors": 0, "num_slots": 0, "shm_bytes": 0}
+            out = _metrics.idle_transport_stats()
             out.update(_metrics.empty_stats())
             return out
         return engine.stats()

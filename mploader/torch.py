@@ -347,8 +347,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
         Zeros before the first multi-worker iteration, after ``close()`` and with
         ``num_workers=0``."""
         if self._mpl_engine is None:
-            out = {"batches": 0, "slot": 0, "fallback_inband": 0, "fallback_pipe": 0, "no_free_slot": 0,
-                   "grown": 0, "errors": 0, "num_slots": 0, "shm_bytes": 0}
+            out = _metrics.idle_transport_stats()
             out.update(_metrics.empty_stats())
             return out
         return self._mpl_engine.stats()

@@ -46,8 +46,9 @@ def test_kept_labels_do_not_keep_their_batches(no_leaks):
     want = list(torch.utils.data.DataLoader(Photos(), batch_size=8, num_workers=2))
     with mpt.DataLoader(Photos(), batch_size=8, num_workers=2) as loader:
         labels, images = [], None
-        for images, y in loader:
+        for batch_images, y in loader:
             labels.append(y)
+            images = batch_images
         assert in_region(loader, images)                       # the large leaf: a view of its slot
         assert not any(in_region(loader, y) for y in labels)   # the small ones: owned copies
         stats = loader.stats()

@@ -1262,6 +1262,44 @@ static void contract_waiter(void) {
 
 static uint64_t file_alloc_bytes(int fd);
 
+static void contract_trim(void) {
+    snprintf(g_who, sizeof g_who, "contract/trim");
+    mpl_region r;
+    int rc = mpl_region_create(&r, 2, 2u << 20, 0);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(2, 2 MiB, 0) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    mpl_slot_meta *m = mpl_slot_meta_of(&r, 0);
+    uint64_t key = pat_key(12, 1);
+    uint64_t off = m->offset, cap = m->capacity, fb = mpl_region_file_bytes(&r), alloc = file_alloc_bytes(r.fd);
+    CHECK_RC(mpl_slot_trim(&r, 2, 0), MPL_EINVAL);          /* out of range */
+    CHECK_RC(mpl_slot_assign(&r, 1, 1), MPL_OK);
+    CHECK_RC(mpl_slot_trim(&r, 1, 0), MPL_ESTATE);          /* ASSIGNED: a worker's */
+    CHECK_RC(mpl_slot_trim(&r, 0, 5000), MPL_OK);           /* FREE: the parent's */
+    CHECK(m->offset == off && m->capacity == cap, "trim moved the range: offset %" PRIu64 "->%" PRIu64
+          " capacity %" PRIu64 "->%" PRIu64, off, m->offset, cap, m->capacity);
+    CHECK(mpl_region_file_bytes(&r) == fb, "trim used address space");
+    uint64_t alloc2 = file_alloc_bytes(r.fd);
+    CHECK(alloc2 + (2u << 20) - 8192 <= alloc, "trim to 8 KiB returned only %" PRIu64 " of ~2 MiB", alloc - alloc2);
+    CHECK_RC(mpl_slot_trim(&r, 0, 1u << 30), MPL_OK);       /* above the capacity: nothing */
+    /* the trimmed slot is written again in full, without a grow */
+    CHECK_RC(mpl_slot_assign(&r, 0, 2), MPL_OK);
+    CHECK_RC(mpl_slot_begin(&r, 0, 2), MPL_OK);
+    pat_fill(mpl_slot_payload(&r, 0), 0, cap, key);
+    CHECK_RC(mpl_slot_publish(&r, 0, MPL_KIND_SLOT, 0, cap, 0, 0), MPL_OK);
+    mpl_slot_meta snap;
+    uint32_t bad = 99;
+    CHECK_RC(mpl_slot_take(&r, 0, 0, 0, &snap, &bad), MPL_OK);
+    CHECK(bad == MPL_FIELD_NONE && snap.offset == off, "take after trim");
+    CHECK(pat_bad(mpl_slot_payload(&r, 0), 0, cap, key) < 0, "the rewritten payload after trim is wrong");
+    CHECK_RC(mpl_slot_trim(&r, 0, 0), MPL_ESTATE);          /* LEASED: a view may read it */
+    CHECK_RC(mpl_slot_release(&r, 0), MPL_OK);
+    CHECK_RC(mpl_slot_trim(&r, 0, 0), MPL_OK);
+    CHECK_RC(mpl_slot_reclaim(&r, 1), MPL_OK);
+    mpl_region_unmap(&r);
+}
+
 static void contract_shrink(void) {
     snprintf(g_who, sizeof g_who, "contract/shrink");
     mpl_region r;
@@ -1615,6 +1653,7 @@ static void run_contract(void) {
     contract_fds();
     contract_waiter();
     contract_shrink();
+    contract_trim();
     contract_take();
     contract_attach();
     contract_pid();
