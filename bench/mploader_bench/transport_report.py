@@ -20,7 +20,7 @@ class _Out:
 
                 console = Console()
                 if not console.is_terminal:  # piped: don't squeeze the table into 80 columns
-                    console = Console(width=160)
+                    console = Console(width=200)
             except ImportError:
                 console = None
         self.console = console
