@@ -161,13 +161,20 @@ def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
         message names its attribute path (``dataset.transform.fn``).
     """
     what = f"worker {wid} of a loader with num_workers={spec.num_workers}"
-    _fds.check_headroom(spec.num_workers, start_method, what)
+    how = descriptor_kind(start_method)
+    _fds.check_headroom(spec.num_workers, how, what)
     try:
         return _start_worker(spec, wid, region, start_method, drop_in_child, busy, transport)
     except OSError as exc:
         if exc.errno in (errno.EMFILE, errno.ENFILE):
-            raise _fds.descriptors_exhausted(spec.num_workers, start_method, what) from exc
+            raise _fds.descriptors_exhausted(spec.num_workers, how, what) from exc
         raise
+
+
+def descriptor_kind(start_method: str) -> str:
+    """How workers started with ``start_method`` hold descriptors (a key of
+    :data:`mploader._fds.HOW`): "fork", "zygote", or the method itself."""
+    return start_method if start_method == "fork" or not _zygote.enabled() else "zygote"
 
 
 def _start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
@@ -219,6 +226,8 @@ def _start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
                 owned.remove(watch_w)
             worker = WorkerProcess(wid, pid, parent_conn, watch_fd=watch_r)
             return worker
+        if _zygote.enabled():
+            _zygote.warm()  # its start (imports) overlaps the pickling below
         own_transport = transport is None  # (a one-off: closed once the worker has its memfd)
         if transport is None:
             transport = _spec.Transport()

@@ -101,8 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--format", default="jpeg,raw", metavar="jpeg|raw",
                    help="image format(s), comma-separated: jpeg (decode each file) and/or raw "
                         "(pre-decoded 256x256x3 uint8 .npy)")
-    b.add_argument("--suite", default="images", choices=("images", "transport", "all"),
-                   help="which benchmark to run")
+    b.add_argument("--suite", default="images", choices=("images", "transport", "startup", "all"),
+                   help="which benchmark to run ('all': images and transport; 'startup': time to the first "
+                        "batch and workers' memory under fork/forkserver/spawn, mploader.torch against torch)")
     b.add_argument("--workers", type=_positive_int("workers"), default=_cpu_count(),
                    metavar="N", help="worker processes per transport (default: CPU count)")
     b.add_argument("--batch-size", type=_positive_int("batch size"), default=256, metavar="B",
@@ -228,6 +229,10 @@ def _bench(args: argparse.Namespace) -> int:
         except data.DataError as exc:
             print(f"{PROG}: error: {exc}", file=sys.stderr)
             return EXIT_ERROR
+    if args.suite == "startup":
+        from . import startup
+
+        startup.run(repeats=args.repeats, out_dir=r["out"])
     if args.suite in ("transport", "all"):
         from . import transport
 
