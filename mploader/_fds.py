@@ -29,19 +29,25 @@ from typing import Any
 
 from . import _ring
 
+#: How a loader's workers start, as the descriptor figures below name it: "fork";
+#: "zygote" (spawn and forkserver workers forked by mploader's zygote, the default);
+#: "spawn" and "forkserver" where ``multiprocessing`` starts them (MPLOADER_ZYGOTE=0).
+HOW = {"fork": "fork", "zygote": "spawn/forkserver, from the zygote",
+       "spawn": "spawn, MPLOADER_ZYGOTE=0", "forkserver": "forkserver, MPLOADER_ZYGOTE=0"}
 #: Descriptors one loader holds in this process: the ring's memfd, plus (spawn and
-#: forkserver) the memfd of the workers' busy counters and the duplicate of it that
-#: its ``mmap.mmap`` keeps.
-PER_LOADER = {"fork": 1, "spawn": 3, "forkserver": 3}
-#: ... and per worker: its task pipe and its pidfd (or, without pidfd_open, the read
-#: end of a pipe it holds the write end of), plus (spawn, forkserver) the two ends of
-#: ``multiprocessing``'s start-up pipes its ``Popen`` keeps (one is the sentinel).
-PER_WORKER = {"fork": 2, "spawn": 4, "forkserver": 4}
+#: forkserver) the memfds of the workers' busy counters and of the pickled spec,
+#: each with the duplicate its ``mmap.mmap`` keeps.  Counted by test_limits.py.
+PER_LOADER = {"fork": 1, "zygote": 5, "spawn": 5, "forkserver": 5}
+#: ... and per worker: its task pipe and a descriptor that reports its exit (a
+#: pidfd; without pidfd_open, the read end of a pipe it holds the write end of; from
+#: the zygote, its status pipe), plus (multiprocessing) the two start-up pipes its
+#: ``Popen`` keeps (one is the sentinel).
+PER_WORKER = {"fork": 2, "zygote": 2, "spawn": 4, "forkserver": 4}
 #: Descriptors a worker start needs besides what it keeps: the worker's end of its
-#: pipe and a pipe's second end until the fork, ``multiprocessing``'s start-up
-#: pipes (spawn, forkserver), and in the worker its own watch of this process and
-#: the few files Python opens (imports) before the first batch.
-STARTING = {"fork": 8, "spawn": 12, "forkserver": 12}
+#: pipe and a pipe's second end until the fork, the start-up pipes (spawn,
+#: forkserver), and in the worker its own watch of this process and the few files
+#: Python opens (imports) before the first batch.
+STARTING = {"fork": 8, "zygote": 10, "spawn": 12, "forkserver": 12}
 
 
 def off_stdio(fd: int) -> int:
@@ -160,14 +166,16 @@ def open_count() -> int:
     return len(os.listdir("/proc/self/fd")) - 1  # less the one listdir itself used
 
 
-def per_loader(num_workers: int, start_method: str) -> int:
-    """Descriptors a loader with ``num_workers`` workers holds in this process."""
-    return PER_LOADER[start_method] + num_workers * PER_WORKER[start_method]
+def per_loader(num_workers: int, how: str) -> int:
+    """Descriptors a loader with ``num_workers`` workers started ``how`` (a key of
+    :data:`HOW`) holds in this process."""
+    return PER_LOADER[how] + num_workers * PER_WORKER[how]
 
 
-def check_headroom(num_workers: int, start_method: str, what: str) -> None:
+def check_headroom(num_workers: int, how: str, what: str) -> None:
     """Raise OSError(EMFILE) naming the limit and what to change when starting
-    ``what`` (a worker) could run out of descriptors under ``RLIMIT_NOFILE``.
+    ``what`` (a worker, started ``how``: a key of :data:`HOW`) could run out of
+    descriptors under ``RLIMIT_NOFILE``.
     Nothing is created: the loaders made before keep working."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
@@ -176,13 +184,13 @@ def check_headroom(num_workers: int, start_method: str, what: str) -> None:
         n_open = open_count()
     except OSError:  # no /proc: the start itself will tell
         return
-    need = PER_WORKER[start_method] + STARTING[start_method]
+    need = PER_WORKER[how] + STARTING[how]
     if n_open + need <= soft:
         return
-    raise descriptors_exhausted(num_workers, start_method, what, n_open, soft, hard)
+    raise descriptors_exhausted(num_workers, how, what, n_open, soft, hard)
 
 
-def descriptors_exhausted(num_workers: int, start_method: str, what: str, n_open: int | None = None,
+def descriptors_exhausted(num_workers: int, how: str, what: str, n_open: int | None = None,
                           soft: int | None = None, hard: int | None = None) -> OSError:
     """The OSError(EMFILE) :func:`check_headroom` raises (also for an EMFILE met while
     starting a worker)."""
@@ -193,7 +201,7 @@ def descriptors_exhausted(num_workers: int, start_method: str, what: str, n_open
             n_open = open_count()
         except OSError:
             n_open = -1
-    total = per_loader(num_workers, start_method)
+    total = per_loader(num_workers, how)
     suggest = max(4096, 2 * soft) if soft != resource.RLIM_INFINITY else 4096
     if hard != resource.RLIM_INFINITY:
         suggest = min(suggest, hard)
@@ -201,8 +209,8 @@ def descriptors_exhausted(num_workers: int, start_method: str, what: str, n_open
     return OSError(errno.EMFILE, (
         f"out of file descriptors: cannot start {what}: this process has {n_open} open and "
         f"RLIMIT_NOFILE allows {soft} (hard limit {hard_s}).  Each loader holds "
-        f"{PER_LOADER[start_method]} + {PER_WORKER[start_method]} per worker ({start_method}): {total} with "
-        f"num_workers={num_workers}, and starting a worker needs about {STARTING[start_method]} more for a "
+        f"{PER_LOADER[how]} + {PER_WORKER[how]} per worker ({HOW[how]}): {total} with "
+        f"num_workers={num_workers}, and starting a worker needs about {STARTING[how]} more for a "
         f"moment.  Raise the limit: `ulimit -n {suggest}` in the shell that starts the job, or "
         f"resource.setrlimit(resource.RLIMIT_NOFILE, ({suggest}, {hard_s if hard_s != 'unlimited' else 'hard'})) "
         f"before the loaders are made; or use fewer loaders or workers"))

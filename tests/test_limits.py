@@ -390,9 +390,12 @@ def test_watch_parent_refused_without_lifeline_says_so(tmp_path):
 NOFILE = '''
 import resource
 import mploader, limits_ds
-from mploader import _fds
+from mploader import _executors, _fds, _zygote
 start_method = sys.argv[1]
-if start_method != "fork":  # multiprocessing's resource tracker: one descriptor, held from its first start
+how = _executors.descriptor_kind(start_method)
+if how == "zygote":  # the zygote's socket: one descriptor per process, from its start
+    _zygote.warm()
+elif how != "fork":  # multiprocessing's resource tracker: the same
     import multiprocessing.resource_tracker
     multiprocessing.resource_tracker.ensure_running()
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -411,13 +414,13 @@ for k in range(40):
     assert got == list(range(16)), got
     if k == 0:  # the figure the message gives is what a loader holds
         held = _fds.open_count() - before
-        assert held == _fds.per_loader(2, start_method), (held, _fds.per_loader(2, start_method), fd_kinds())
+        assert held == _fds.per_loader(2, how), (held, _fds.per_loader(2, how), fd_kinds())
     loaders.append(loader)
 assert error is not None, "64 descriptors never ran out"
 msg = str(error)
 assert error.errno == errno.EMFILE, repr(error)
 for part in ("out of file descriptors", "RLIMIT_NOFILE allows 64", "ulimit -n", "resource.setrlimit",
-             f"{_fds.per_loader(2, start_method)} with num_workers=2", "num_workers=2"):
+             f"{_fds.per_loader(2, how)} with num_workers=2", "num_workers=2"):
     assert part in msg, (part, msg)
 assert len(loaders) >= 3, (len(loaders), msg)
 # The loaders made before keep working; the failed one works once descriptors are freed.
@@ -434,14 +437,15 @@ assert _fds.open_count() == base, (_fds.open_count(), base, fd_kinds())
 '''
 
 
-@pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_rlimit_nofile(tmp_path, start_method):
+@pytest.mark.parametrize("start_method,zygote", [("fork", "1"), ("spawn", "1"), ("spawn", "0")])
+def test_rlimit_nofile(tmp_path, start_method, zygote):
     """RLIMIT_NOFILE=64: opening loaders (2 workers each) until descriptors run out
     ends in OSError(EMFILE) that says so, what each loader holds (checked against a
     count of the descriptors the first one holds) and how to raise the limit; the
     earlier loaders keep working, and closing them all leaves nothing open.  Before:
     ``WorkerError ... exited with code 1``."""
-    run_case(NOFILE.replace("sys.argv[1]", repr(start_method)), tmp_path, timeout_s=240)
+    run_case(NOFILE.replace("sys.argv[1]", repr(start_method)), tmp_path, timeout_s=100,
+             env_extra={"MPLOADER_ZYGOTE": zygote})
 
 
 # 4 ---- workers that fail to start --------------------------------------------------
@@ -496,7 +500,7 @@ def test_failed_worker_starts_leave_no_descriptor(tmp_path, face):
     listening socket): 24 memfds after six starts of two workers."""
     if face == "torch":
         pytest.importorskip("torch")
-    run_case(FAILED_STARTS.replace("sys.argv[1]", repr(face)), tmp_path, timeout_s=240)
+    run_case(FAILED_STARTS.replace("sys.argv[1]", repr(face)), tmp_path, timeout_s=100)
 
 
 # 5 ---- tensors that require grad -----------------------------------------------------
