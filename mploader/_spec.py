@@ -352,7 +352,7 @@ class Packed:
         self.map: mmap.mmap | None = None
         try:
             os.ftruncate(self.fd, self.nbytes)
-            self.map = mmap.mmap(self.fd, self.nbytes)
+            self.map = _fds.mmap_fd(self.fd, self.nbytes)  # (its duplicate of fd: off 0..2 too)
             _HEAD.pack_into(self.map, 0, _MAGIC, stream_at, len(stream), len(raws))
             for i, ((at, n), named) in enumerate(zip(entries, persistent)):
                 _ENTRY.pack_into(self.map, _HEAD.size + _ENTRY.size * i, at, n, int(named))
