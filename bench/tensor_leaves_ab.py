@@ -12,8 +12,8 @@ changed) so that a column of at least ``mploader._hot.STREAM_MIN_BYTES`` whose l
 are all exact CPU tensors of the plan's shape and dtype goes through
 ``_hot.copy_rows([t.numpy() for t in leaves], dest)`` -- the streaming copy the
 numpy path uses -- and falls back to ``torch.stack`` otherwise (``t.numpy()`` raises
-for a tensor that requires grad or has its conj/neg bit set, ``copy_rows`` declines
-another dtype or a non-contiguous leaf).  A and B alternate; every batch is checked
+for a tensor that requires grad, has its conj/neg bit set or is not on the CPU;
+``copy_rows`` declines another dtype or a non-contiguous leaf).  A and B alternate; every batch is checked
 against the dataset (:mod:`mploader_bench.checks`).  Printed per run: batches/s and the
 workers' CPU per batch.
 """
@@ -45,8 +45,8 @@ def _patched_plan(original: Any) -> Any:
         def streaming_fill(leaves: list, dest: np.ndarray) -> bool:
             if all(type(t) is exact and t.shape == shape for t in leaves):
                 try:
-                    arrays = [t.numpy() for t in leaves]  # RuntimeError: grad, conj, neg bits
-                except RuntimeError:
+                    arrays = [t.numpy() for t in leaves]  # RuntimeError: grad, conj, neg; TypeError: device
+                except (RuntimeError, TypeError):
                     arrays = None
                 if arrays is not None and _hot.copy_rows(arrays, dest):
                     return True
