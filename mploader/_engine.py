@@ -159,6 +159,13 @@ class Engine:
         region it has dealt with: fewer than ``region.file_bytes`` (a worker has
         reserved a range but not yet allocated it in the file) and it is called again
         after the next batch even if the region did not grow meanwhile.
+    stall_timeout : float, "auto" or None
+        Seconds a worker may work on one batch before the watchdog takes its stack,
+        kills it and loads the batch again on a replacement (mploader._watchdog);
+        "auto": ``max(60, 10 x p99 batch time)`` (600 s for the first 20 batches);
+        None (default): no watchdog.
+    max_retries : int
+        Times a batch is loaded again after a stall before ``StallError``.
     poll_held : callable ``(wait: bool) -> int`` or None
         With a ``release_hook`` on the region (CUDA pinning keeps a released slot
         LEASED until the GPU's copies from it are done): releases the slots that may
@@ -179,7 +186,8 @@ class Engine:
                  worker_init: Callable[[int, int], None] | None = None, reseed_per_batch: bool = True,
                  start_method: str = "fork", on_grow: Callable[[Any], int | None] | None = None,
                  poll_held: Callable[[bool], int] | None = None, copy_below_bytes: int = 0,
-                 warn_when_full: bool = True) -> None:
+                 warn_when_full: bool = True, stall_timeout: float | str | None = None,
+                 max_retries: int = 1) -> None:
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
         if num_workers < 1:
@@ -213,6 +221,11 @@ class Engine:
         self.slow_after_s = slow_after_s
         self.on_grow = on_grow
         self.poll_held = poll_held
+        # The watchdog (mploader._watchdog): seconds a worker may spend on one batch,
+        # "auto" (the default rule) or None (off); and how often a batch is loaded
+        # again after a stall before StallError.
+        self.stall_timeout = stall_timeout
+        self.max_retries = max_retries
         self.start_method = start_method
         self.spec = WorkerSpec(dataset, fetch, seed, reseed_per_batch, worker_init, num_workers)
         self._res = _Resources()
@@ -295,6 +308,9 @@ class Engine:
         out["shm_bytes"] = region.file_bytes if region is not None else 0
         out.update(self._scheduler.memory_stats())
         out.update(engine_stats(self, self._scheduler.meter))
+        watchdog = self._scheduler.watchdog
+        out["stalls"] = watchdog.stalls if watchdog is not None else 0
+        out["respawns"] = watchdog.respawns if watchdog is not None else 0
         return out
 
     def _check_usable(self) -> None:

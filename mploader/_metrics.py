@@ -26,6 +26,7 @@ now.  (It is also cheaper than ``monotonic_ns()``, whose large ints are allocate
 from __future__ import annotations
 
 import collections
+import math
 import mmap
 import os
 import struct
@@ -42,6 +43,7 @@ __all__ = ["Meter", "BusyCells", "WorkerBusy", "MeteredRun", "engine_stats", "in
            "METRIC_KEYS", "COUNTER_KEYS", "idle_transport_stats"]
 
 _now = time.monotonic
+_frexp = math.frexp
 
 #: A window mark is taken at most this often (s), at the start of a ``next()``.
 MARK_S = 0.5
@@ -52,6 +54,14 @@ _MARKS = int(WINDOW_S / MARK_S) + 2
 #: One cell, two float64: busy (total seconds spent on tasks), start (``monotonic()``
 #: when the task in progress began; 0.0 when idle).  Each is one aligned 8-byte store.
 _CELL = struct.Struct("<dd")
+_START = struct.Struct("<d")
+#: After the cells, one histogram of batch times per cell: HIST_BUCKETS float64
+#: counts, bucket ``k`` for times ``d`` with ``frexp(d)[1] == k - HIST_SHIFT``
+#: (``2**(k - HIST_SHIFT - 1) <= d < 2**(k - HIST_SHIFT)`` s; the ends clamp).  Read by
+#: the watchdog's default stall limit (mploader._watchdog: the p99 batch time).
+HIST_BUCKETS = 48
+HIST_SHIFT = 29
+_HIST = struct.Struct(f"<{HIST_BUCKETS}d")
 
 #: The keys every face's ``stats()`` adds to the transport counters (docs/metrics.md).
 METRIC_KEYS = ("wait_s", "wall_s", "first_batch_s", "epoch_batches", "epoch_no_free_slot", "epoch_fallback_pipe",
@@ -168,7 +178,7 @@ class BusyCells:
 
     def __init__(self, num_workers: int, passed_fd: bool = False) -> None:
         self.capacity = 2 * num_workers + 16
-        self.map_bytes = self.capacity * _CELL.size
+        self.map_bytes = self.capacity * (_CELL.size + 8 * HIST_BUCKETS)
         self.fd = -1
         if passed_fd:
             self.fd = _fds.off_stdio(os.memfd_create("mploader-busy", os.MFD_CLOEXEC))
@@ -242,6 +252,41 @@ class BusyCells:
             out[owner.wid] += busy
         return out
 
+    def starts(self) -> dict[int, float]:
+        """``{id(worker): monotonic start of its task in progress}`` for the live
+        workers that are busy (the watchdog's view; mploader._watchdog)."""
+        m = self.map
+        out: dict[int, float] = {}
+        if m is None:
+            return out
+        for cell, owner in enumerate(self.owners):
+            if owner is not None and owner.status is None:
+                start = _START.unpack_from(m, cell * _CELL.size + 8)[0]
+                if start:
+                    out[id(owner)] = start
+        return out
+
+    def p99(self) -> tuple[int, float]:
+        """(batches timed by this loader's workers, the upper end of the histogram
+        bucket that holds their 99th percentile time, in seconds)."""
+        m = self.map
+        if m is None:
+            return 0, 0.0
+        base = self.capacity * _CELL.size
+        counts = [0.0] * HIST_BUCKETS
+        for cell in range(self.capacity):
+            for k, c in enumerate(_HIST.unpack_from(m, base + cell * _HIST.size)):
+                counts[k] += c
+        total = sum(counts)
+        if not total:
+            return 0, 0.0
+        seen = 0.0
+        for k, c in enumerate(counts):
+            seen += c
+            if seen >= 0.99 * total:
+                return int(total), 2.0 ** (k - HIST_SHIFT)
+        return int(total), 2.0 ** (HIST_BUCKETS - 1 - HIST_SHIFT)
+
     def close(self) -> None:
         """Fold every cell into ``retired`` (the totals stay readable) and unmap."""
         m = self.map
@@ -276,7 +321,7 @@ class WorkerBusy:
     memoryview of the inherited mapping.  Continues the cell's total (a cell's
     writers follow one another)."""
 
-    __slots__ = ("cell", "busy", "start_t")
+    __slots__ = ("cell", "busy", "start_t", "hist")
 
     def __init__(self, boot: tuple) -> None:
         if len(boot) == 3:  # spawned: map the passed memfd once
@@ -287,7 +332,10 @@ class WorkerBusy:
                 os.close(fd)
         else:
             mapping, cell = boot
-        self.cell = memoryview(mapping).cast("d")[2 * cell:2 * cell + 2]  # exported in the worker only
+        words = memoryview(mapping).cast("d")  # exported in the worker only
+        self.cell = words[2 * cell:2 * cell + 2]
+        base = len(words) // (2 + HIST_BUCKETS) * 2 + cell * HIST_BUCKETS
+        self.hist = words[base:base + HIST_BUCKETS]
         self.busy = self.cell[0]
         self.start_t = 0.0
 
@@ -296,9 +344,14 @@ class WorkerBusy:
 
     def stop(self) -> None:
         cell = self.cell
-        self.busy += _now() - self.start_t
+        took = _now() - self.start_t
+        self.busy += took
         cell[0] = self.busy   # busy first: a reader seeing start == 0 sees the new total
         cell[1] = 0.0
+        k = _frexp(took)[1] + HIST_SHIFT
+        k = 0 if k < 0 else (k if k < HIST_BUCKETS else HIST_BUCKETS - 1)
+        hist = self.hist
+        hist[k] = hist[k] + 1.0   # the cell's one writer: a plain store
 
 
 class MeteredRun:

@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import _hot, _memory, _ring
+from . import _hot, _memory, _ring, _watchdog
 from ._descriptor import decode
 from ._errors import UNKNOWN_STATUS, BatchFailure, WorkerError
 from ._executors import WorkerProcess, exited, stop_workers
@@ -119,6 +119,9 @@ class Scheduler:
         # What the ring's FREE slots hold, and the memory budget's rules (_memory)
         self.memory = _memory.RingMemory(engine.num_slots, engine.on_grow is not None, engine._lock, engine._res,
                                          engine.shared_mem or 0)
+        # Stuck workers replaced while the parent waits (_watchdog; None: off)
+        self.watchdog = (_watchdog.Watchdog(engine.stall_timeout, engine.max_retries)
+                         if engine.stall_timeout is not None else None)
 
     # ---- the batch loop ----
 
@@ -484,6 +487,8 @@ class Scheduler:
             if w.status is None:
                 self._pump(w, 0)
         self._check_health(task)
+        if self.watchdog is not None:  # (rate-limited inside: at most every check_interval)
+            self.watchdog.check(self, _clock())
         if engine.timeout_s is not None and waited_s > engine.timeout_s:
             w = task.worker
             raise TimeoutError(

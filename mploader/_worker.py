@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _ring, _rng_state, _spec
+from . import _ring, _rng_state, _spec, _stacks
 from ._descriptor import SlotWriter
 from ._errors import BatchFailure
 from ._metrics import WorkerBusy
@@ -138,6 +138,7 @@ def _run(spec: WorkerSpec | None, boot: WorkerBoot) -> None:
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         batch_scheduling()
+        _stacks.install()  # SIGUSR1 dumps every thread's stack for the parent's watchdog
         # Not PR_SET_PDEATHSIG: it fires when the forking *thread* ends.
         _ring.watch_parent(boot.parent_pid, boot.lifeline)
         if boot.lifeline >= 0:
