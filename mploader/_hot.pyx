@@ -430,14 +430,25 @@ def drop_stale(task, pipe_seqs):
 
 
 def serial_next(it):
-    """A face iterator's ``__next__``: ``it._next()`` with ``it._lock`` held (threads
-    sharing the iterator get each batch once, in order).  Written here, not as a
-    Python ``with``: the lock is released in C, so no handler runs between the batch
-    leaving the run and the caller having it (after the ``__exit__`` call of a Python
-    ``with``, the interpreter runs pending handlers, and an interrupt there dropped
-    the batch on its way out)."""
+    """A face iterator's ``__next__`` (the Gluon face's ``_LoaderIter``): the next
+    batch of ``it._gen`` (a :class:`~mploader._scheduler.Run`, or an in-process run)
+    with ``it._lock`` held (threads sharing the iterator get each batch once, in
+    order), counted in ``it._progress.consumed`` (when not None); an exception of the
+    run goes to ``it._ended(exc)`` first, then propagates.  Written here, not in
+    Python: from the run's ``__next__`` to the caller the batch passes through C only.
+    CPython runs pending signal handlers when a call returns into Python code (3.10:
+    every call, and every jump; 3.11+: calls of C functions, such as a ``with``'s
+    ``__exit__``), and one raising there dropped the batch on its way out."""
     with it._lock:
-        return it._next()
+        try:
+            batch = next(it._gen)
+        except BaseException as exc:
+            it._ended(exc)
+            raise
+        progress = it._progress
+        if progress is not None:
+            progress.consumed += 1
+        return batch
 
 
 def abandon_runs(sched):

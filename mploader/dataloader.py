@@ -387,29 +387,21 @@ class _LoaderIter:
     def __iter__(self) -> _LoaderIter:
         return self
 
-    # _next() with the lock held (threads sharing the iterator: each batch once, in
-    # order), the lock released in C: no interrupt can drop the batch on its way out.
+    # The next batch with the lock held (threads sharing the iterator: each batch
+    # once, in order), counted in the progress: in C, so that from the run to the
+    # caller the batch passes through no Python frame, where an interrupt would drop it.
     __next__ = _hot.serial_next
 
-    def _next(self) -> Any:
+    def _ended(self, exc: BaseException) -> None:
+        """``serial_next``'s hook: the run raised ``exc`` (before it propagates)."""
         progress = self._progress
-        try:
-            batch = self._gen.__next__()  # not next(): no interrupt check after a Python-level call
-        except StopIteration:
+        if isinstance(exc, StopIteration):
             if progress is not None:
                 progress.finished = True
             if self._own_engine is not None:
                 self._own_engine.close()
-            raise
-        except BaseException as exc:
-            if progress is not None and is_batch_error(exc):
-                progress.received()   # the dataset's exception used up its batch
-            raise
-        if progress is not None:
-            # In order: the prefix grows by one.  An attribute store, not a call: no
-            # interrupt can be raised between taking the batch and returning it.
-            progress.consumed += 1
-        return batch
+        elif progress is not None and is_batch_error(exc):
+            progress.received()   # the dataset's exception used up its batch
 
     next = __next__
 
