@@ -47,6 +47,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 from . import _fds
@@ -123,6 +124,7 @@ class _Zygote:
     sock: socket.socket | None = None
     lock = threading.Lock()
     preloaded: frozenset[str] = frozenset()
+    seq = 0                     # the number of the last request
 
 
 def _after_fork_in_child() -> None:
@@ -278,24 +280,42 @@ def start_worker(boot: Any, modules: frozenset[str], name: str) -> ZygoteChild:
 
 
 def _ask(message: bytes, fds: list[int]) -> bytes:
+    """Send one request, return the zygote's reply to it.
+
+    Each request carries a number that the reply repeats: a reply left unread by a
+    request that was interrupted (Ctrl-C while waiting) is skipped, never taken for
+    this one's.  A zygote found dead before the request is sent is replaced; one that
+    dies after it was sent fails this start (the worker it may have forked sees its
+    task socket close and exits), it is not asked twice."""
+    _Zygote.seq += 1
+    seq = _Zygote.seq
     for attempt in (0, 1):
         sock = _ensure()
         try:
-            socket.send_fds(sock, [message], fds)
+            socket.send_fds(sock, [struct.pack("<Q", seq) + message], fds)
+        except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError) as exc:
+            proc = _Zygote.proc
+            code = proc.wait() if proc is not None else None
+            if attempt:
+                raise OSError(errno.ECHILD, f"the zygote died before it could start a worker (exit status "
+                                            f"{code})") from exc
+            continue
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while True:
             ready = select.poll()
             ready.register(sock, select.POLLIN)
-            if not ready.poll(int(REPLY_TIMEOUT_S * 1000)):
+            if not ready.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 raise TimeoutError(f"the zygote (pid {zygote_pid()}) did not answer within {REPLY_TIMEOUT_S} s")
-            reply = sock.recv(_MAX_MESSAGE)
-        except (BrokenPipeError, ConnectionResetError):
-            reply = b""
-        if reply:
-            return reply
-        # The zygote died (killed, or out of memory): start a new one, once.
-        proc = _Zygote.proc
-        code = proc.wait() if proc is not None else None
-        if attempt:
-            raise OSError(errno.ECHILD, f"the zygote died while starting a worker (exit status {code})")
+            try:
+                reply = sock.recv(_MAX_MESSAGE)
+            except (BrokenPipeError, ConnectionResetError):
+                reply = b""
+            if not reply:
+                proc = _Zygote.proc
+                code = proc.wait() if proc is not None else None
+                raise OSError(errno.ECHILD, f"the zygote died while starting a worker (exit status {code})")
+            if struct.unpack_from("<Q", reply)[0] == seq:
+                return reply[8:]
     raise AssertionError("unreachable")
 
 
@@ -347,8 +367,12 @@ def main(args: dict) -> None:
                 msg, fds = b"", []
             if not msg:
                 _die(children)
+            seq, msg = msg[:8], msg[8:]
             pid_or_error = _fork_worker(msg, fds, sock, wake_r, wake_w, parent_fd, children, _worker)
-            sock.send(pickle.dumps(pid_or_error))
+            try:
+                sock.send(seq + pickle.dumps(pid_or_error))
+            except OSError:  # the parent is gone
+                _die(children)
 
 
 def _try_import(mod: str) -> None:
