@@ -166,6 +166,12 @@ class Engine:
         None (default): no watchdog.
     max_retries : int
         Times a batch is loaded again after a stall before ``StallError``.
+    on_error : {"raise", "skip", "substitute"}
+        What a sample whose ``dataset[i]`` raises becomes (mploader._bad_samples).
+    max_bad_fraction, max_bad_samples : float, int or None
+        The bad samples' budget: ``BadSampleBudgetError`` beyond it.
+    bad_sample_log : str or None
+        A JSON-lines file that gets one line per bad sample.
     poll_held : callable ``(wait: bool) -> int`` or None
         With a ``release_hook`` on the region (CUDA pinning keeps a released slot
         LEASED until the GPU's copies from it are done): releases the slots that may
@@ -187,7 +193,8 @@ class Engine:
                  start_method: str = "fork", on_grow: Callable[[Any], int | None] | None = None,
                  poll_held: Callable[[bool], int] | None = None, copy_below_bytes: int = 0,
                  warn_when_full: bool = True, stall_timeout: float | str | None = None,
-                 max_retries: int = 1) -> None:
+                 max_retries: int = 1, on_error: str = "raise", max_bad_fraction: float | None = None,
+                 max_bad_samples: int | None = None, bad_sample_log: str | None = None) -> None:
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}")
         if num_workers < 1:
@@ -226,8 +233,13 @@ class Engine:
         # again after a stall before StallError.
         self.stall_timeout = stall_timeout
         self.max_retries = max_retries
+        # The bad-sample policy and its budget (mploader._bad_samples)
+        self.on_error = on_error
+        self.max_bad_fraction = max_bad_fraction
+        self.max_bad_samples = max_bad_samples
+        self.bad_sample_log = bad_sample_log
         self.start_method = start_method
-        self.spec = WorkerSpec(dataset, fetch, seed, reseed_per_batch, worker_init, num_workers)
+        self.spec = WorkerSpec(dataset, fetch, seed, reseed_per_batch, worker_init, num_workers, on_error)
         self._res = _Resources()
         self._owner_pid = self._res.owner_pid
         self._finalizer = weakref.finalize(self, _Resources.release, self._res)
@@ -298,11 +310,13 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters: batches, slot (fast path), fallback_inband, fallback_pipe, no_free_slot,
-        grown, errors; plus num_slots and shm_bytes (bytes the region's file spans);
+        grown, errors; stalls and respawns (the watchdog's: mploader._watchdog); bad_samples
+        (one dict per bad sample: index, epoch, batch_index, type, message, substitute)
+        and bad_sample_count (mploader._bad_samples); plus num_slots and shm_bytes (bytes the region's file spans);
         plus the input-pipeline metrics of :func:`mploader._metrics.engine_stats`
         (docs/metrics.md)."""
         counts = self._scheduler.stats
-        out = {k: counts.get(k, 0) for k in COUNTER_KEYS}
+        out: dict[str, Any] = {k: counts.get(k, 0) for k in COUNTER_KEYS}
         region = self._res.region
         out["num_slots"] = self.num_slots
         out["shm_bytes"] = region.file_bytes if region is not None else 0
@@ -311,6 +325,8 @@ class Engine:
         watchdog = self._scheduler.watchdog
         out["stalls"] = watchdog.stalls if watchdog is not None else 0
         out["respawns"] = watchdog.respawns if watchdog is not None else 0
+        ledger = self._scheduler.ledger
+        out.update(ledger.stats() if ledger is not None else {"bad_samples": [], "bad_sample_count": 0})
         return out
 
     def _check_usable(self) -> None:

@@ -77,7 +77,8 @@ def idle_transport_stats() -> dict[str, Any]:
     """The transport part of ``stats()`` for a loader with no engine (yet): zero
     counters, no slots, no shared memory, and the memory budget in force."""
     out: dict[str, Any] = dict.fromkeys(COUNTER_KEYS, 0)
-    out.update(num_slots=0, shm_bytes=0, memory_budget_bytes=_memory.budget_bytes(), memory_held_bytes=0)
+    out.update(num_slots=0, shm_bytes=0, memory_budget_bytes=_memory.budget_bytes(), memory_held_bytes=0,
+               stalls=0, respawns=0, bad_samples=[], bad_sample_count=0)
     return out
 
 

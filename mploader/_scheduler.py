@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from . import _hot, _memory, _ring, _watchdog
+from . import _bad_samples, _hot, _memory, _ring, _watchdog
 from ._descriptor import decode
 from ._errors import UNKNOWN_STATUS, BatchFailure, WorkerError
 from ._executors import WorkerProcess, exited, stop_workers
@@ -122,6 +122,9 @@ class Scheduler:
         # Stuck workers replaced while the parent waits (_watchdog; None: off)
         self.watchdog = (_watchdog.Watchdog(engine.stall_timeout, engine.max_retries)
                          if engine.stall_timeout is not None else None)
+        # The bad samples' report and budget (_bad_samples; None: on_error="raise")
+        self.ledger = (_bad_samples.Ledger(engine.max_bad_fraction, engine.max_bad_samples, engine.bad_sample_log)
+                       if engine.on_error != "raise" else None)
 
     # ---- the batch loop ----
 
@@ -147,8 +150,11 @@ class Scheduler:
                 raise StopIteration
             task = inflight[0] if run.in_order else self._first_ready(run)
             self._await(task)
+            if self.ledger is not None:   # its bad samples' reports came before it: settle them
+                self._pump(task.worker, 0)
+                self.ledger.settle(task.seq, task.epoch, len(task.indices) if isinstance(task.indices, list) else 1)
             self._consume(task, run)   # raises the worker's exception (batch consumed)
-        except (WorkerError, TimeoutError):
+        except (WorkerError, TimeoutError, _bad_samples.BadSampleBudgetError):
             run.inflight.clear()
             run.done = True
             self._fail()
@@ -624,9 +630,11 @@ class Scheduler:
         try:
             while w.conn.poll(timeout_s if not got else 0):
                 msg = w.conn.recv_bytes()
-                seq = PIPE_HEADER.unpack_from(msg)[0]
+                seq, kind = PIPE_HEADER.unpack_from(msg)
                 got = True
-                if seq in self.stale_pipe:
+                if kind == _bad_samples.KIND_REPORT and self.ledger is not None:
+                    self.ledger.receive(msg)
+                elif seq in self.stale_pipe:
                     self.stale_pipe.discard(seq)
                 else:
                     w.mailbox[seq] = msg

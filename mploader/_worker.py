@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _ring, _rng_state, _spec, _stacks
+from . import _bad_samples, _ring, _rng_state, _spec, _stacks
 from ._descriptor import SlotWriter
 from ._errors import BatchFailure
 from ._metrics import WorkerBusy
@@ -75,6 +75,7 @@ class WorkerSpec:
     reseed_per_batch: bool
     worker_init: Callable[[int, int], None] | None
     num_workers: int
+    on_error: str = "raise"                      # the bad-sample policy (mploader._bad_samples)
 
     def __post_init__(self) -> None:
         _rng_state.path()
@@ -219,6 +220,9 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
     meter = WorkerBusy(boot.busy) if boot.busy is not None else None
     make_planner = getattr(fetch, "make_planner", None)  # batch plans (mploader._plan)
     planner = make_planner() if make_planner is not None else None
+    guard = None
+    if spec.on_error != "raise":  # dataset[i] raising: substitute or skip, reported to the parent
+        dataset = guard = _bad_samples.Guard(dataset, spec.on_error, base_seed, send)
     while True:
         try:
             task = reader.next()
@@ -240,7 +244,10 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
             kind = _ring.KIND_ERROR
         else:
             try:
-                if planner is not None and writer is not None:
+                if guard is not None:
+                    guard.seq, guard.epoch, guard.batch_index = seq, epoch, batch_index
+                    batch = guard.fetch(_fetcher(fetch, dataset, writer, planner, alloc), indices)
+                elif planner is not None and writer is not None:
                     batch = fetch.planned(dataset, indices, writer, planner)  # type: ignore[attr-defined]
                 else:
                     batch = fetch(dataset, indices, alloc)
@@ -267,6 +274,13 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
         if meter is not None:
             meter.stop()
         del batch, writer, alloc, task, indices
+
+
+def _fetcher(fetch: Any, dataset: Any, writer: SlotWriter | None, planner: Any, alloc: Callable) -> Callable:
+    """``indices -> batch``: the face's fetch of one task (by its plan where it has one)."""
+    if planner is not None and writer is not None:
+        return lambda indices: fetch.planned(dataset, indices, writer, planner)
+    return lambda indices: fetch(dataset, indices, alloc)
 
 
 def _deliver(send: Callable[[bytes], None], writer: SlotWriter | None, seq: int, kind: int, obj: Any) -> None:
