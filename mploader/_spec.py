@@ -61,6 +61,7 @@ class _Hooks:
     buffers: list[Any]
     modules: set[str]
     _ids: dict[int, int]
+    _storages: dict[tuple, Any]
 
     keep_buffers = True
 
@@ -68,6 +69,7 @@ class _Hooks:
         self.buffers = []
         self.modules = set()
         self._ids = {}
+        self._storages = {}
 
     def persistent_id(self, obj: Any) -> Any:
         t = type(obj)
@@ -92,6 +94,14 @@ class _Hooks:
             return _memmap_reduce(obj)
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, (torch.storage.TypedStorage, torch.UntypedStorage)):
+            # torch makes a new storage object for each tensor pickled (``tensor.storage()``):
+            # views of one storage would each carry a copy of it.  One per storage here,
+            # as torch.save does, so they share it in the worker as in this process.
+            key = _storage_key(obj, torch)
+            if key is not None:
+                first = self._storages.setdefault(key, obj)   # (kept alive: its memo entry stays valid)
+                if first is not obj:
+                    return (_same, (first,))
             return _storage_reduce(obj, torch)
         return None
 
@@ -194,6 +204,19 @@ def _remap(filename: str, mode: str, map_start: int, map_bytes: int, dtype: np.d
 
 
 # ---- torch CPU storages: out of band --------------------------------------------------
+
+def _storage_key(storage: Any, torch: Any) -> tuple | None:
+    """What identifies a CPU storage's memory (None: not one we send out of band)."""
+    typed = isinstance(storage, torch.storage.TypedStorage)
+    untyped = storage._untyped_storage if typed else storage
+    if untyped.device.type != "cpu" or untyped.nbytes() < OUT_OF_BAND_BYTES:
+        return None
+    return (untyped.data_ptr(), untyped.nbytes(), str(storage.dtype) if typed else None)
+
+
+def _same(obj: Any) -> Any:
+    return obj
+
 
 def _storage_reduce(storage: Any, torch: Any) -> Any:
     typed = isinstance(storage, torch.storage.TypedStorage)
