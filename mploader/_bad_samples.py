@@ -34,7 +34,7 @@ from typing import Any
 from ._protocol import PIPE_HEADER
 
 __all__ = ["ON_ERROR", "KIND_REPORT", "MAX_SUBSTITUTES", "DEFAULT_MAX_BAD_FRACTION", "BadSampleBudgetError",
-           "Guard", "Ledger", "substitute_index", "Skipped"]
+           "Guard", "Ledger", "parse_state", "substitute_index", "Skipped"]
 
 _LOG = logging.getLogger("mploader")
 
@@ -253,24 +253,31 @@ class Ledger:
                 "epoch_samples": {str(k): v for k, v in self.epoch_samples.items()},
                 "epoch_bad": {str(k): v for k, v in self.epoch_bad.items()}}
 
-    def load(self, state: dict | None) -> None:
-        """Restore :meth:`state` (None: an empty record).  Raises ValueError naming a
-        malformed field."""
-        if state is None:
-            state = {"records": [], "epoch_samples": {}, "epoch_bad": {}}
-        if not isinstance(state, dict) or not isinstance(state.get("records"), list):
-            raise ValueError(f"bad_samples must be a dict with a 'records' list, got {state!r:.100}")
-        try:
-            records = [dict(r) for r in state["records"]]
-            for r in records:
-                int(r["epoch"]), int(r["index"]), str(r["type"])
-            epoch_samples = {int(k): int(v) for k, v in dict(state.get("epoch_samples", {})).items()}
-            epoch_bad = {int(k): int(v) for k, v in dict(state.get("epoch_bad", {})).items()}
-        except (TypeError, ValueError, KeyError) as exc:
-            raise ValueError(f"bad_samples is malformed ({exc}): {state!r:.200}") from None
-        self.records = records
+    def load(self, parsed: tuple) -> None:
+        """Restore what :func:`parse_state` read from a checkpoint."""
+        records, epoch_samples, epoch_bad = parsed
+        self.records = [dict(r) for r in records]
         self.seen = {(r["epoch"], r["index"]) for r in records}
         self.indices = {r["index"] for r in records}
-        self.epoch_samples, self.epoch_bad = epoch_samples, epoch_bad
+        self.epoch_samples, self.epoch_bad = dict(epoch_samples), dict(epoch_bad)
         self.warned = {r["type"] for r in records}
         self.pending.clear()
+
+
+def parse_state(state: Any) -> tuple:
+    """A checkpoint's ``bad_samples`` (:meth:`Ledger.state`; None or absent: an empty
+    record) checked before anything is restored.  Raises ValueError naming the field."""
+    if state is None:
+        return [], {}, {}
+    if not isinstance(state, dict) or not isinstance(state.get("records"), list):
+        raise ValueError(f"cannot load the state: bad_samples must be a dict with a 'records' list, "
+                         f"got {state!r:.100}")
+    try:
+        records = [dict(r) for r in state["records"]]
+        for r in records:
+            r["epoch"], r["index"], r["type"] = int(r["epoch"]), int(r["index"]), str(r["type"])
+        epoch_samples = {int(k): int(v) for k, v in dict(state.get("epoch_samples", {})).items()}
+        epoch_bad = {int(k): int(v) for k, v in dict(state.get("epoch_bad", {})).items()}
+    except (TypeError, ValueError, KeyError) as exc:
+        raise ValueError(f"cannot load the state: bad_samples is malformed ({exc!r}): {state!r:.200}") from None
+    return records, epoch_samples, epoch_bad

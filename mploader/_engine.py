@@ -329,6 +329,18 @@ class Engine:
         out.update(ledger.stats() if ledger is not None else {"bad_samples": [], "bad_sample_count": 0})
         return out
 
+    def bad_sample_state(self) -> dict | None:
+        """The bad samples' report and budget counts for a checkpoint (JSON-safe);
+        None with ``on_error="raise"``."""
+        ledger = self._scheduler.ledger
+        return ledger.state() if ledger is not None else None
+
+    def load_bad_samples(self, parsed: tuple) -> None:
+        """Restore :func:`mploader._bad_samples.parse_state`'s result (a checkpoint's)."""
+        ledger = self._scheduler.ledger
+        if ledger is not None:
+            ledger.load(parsed)
+
     def _check_usable(self) -> None:
         if _Pid.current != self._owner_pid:
             raise RuntimeError(f"this loader was created in process {self._owner_pid} and cannot be used in its "

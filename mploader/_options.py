@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -213,6 +214,22 @@ class LoaderOptions:
     busy_workers : bool
         Keep every worker busy: ``max(prefetch, num_workers)`` batches in flight
         (Chainer's face, where each worker builds whole batches).
+    stall_timeout : float, "auto" or None
+        The watchdog (docs/design.md, "The watchdog"): seconds a worker may work on
+        one batch before it is replaced and the batch loaded again; "auto":
+        ``max(60, 10 x p99 batch time)``; None: off.  Positive.
+    max_retries : int
+        Times a stalled batch is loaded again before ``StallError`` (>= 0).
+    on_error : {"raise", "skip", "substitute"}
+        What a sample whose ``dataset[i]`` raises becomes (docs/design.md, "Bad
+        samples"); other than "raise" needs worker processes.
+    max_bad_fraction : float or None
+        The most bad samples an epoch may have, as a fraction in [0, 1] of the
+        samples it delivered so far; None: no limit.
+    max_bad_samples : int or None
+        The most distinct bad samples over the run; None: no limit.
+    bad_sample_log : str, path or None
+        A JSON-lines file that gets one line per bad sample.
     arg_names : mapping
         Field name -> the face's argument name, for messages (e.g.
         ``{"num_workers": "n_processes"}``).  Not part of equality.
@@ -233,6 +250,12 @@ class LoaderOptions:
     maxtasksperchild: int | None = None
     slow_after_s: float | None = None
     busy_workers: bool = False
+    stall_timeout: float | str | None = None
+    max_retries: int = 1
+    on_error: str = "raise"
+    max_bad_fraction: float | None = 0.01
+    max_bad_samples: int | None = None
+    bad_sample_log: str | None = None
     arg_names: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
     auto_prefetch: int | None = field(default=None, init=False)
 
@@ -273,6 +296,43 @@ class LoaderOptions:
         put(self, "maxtasksperchild", check_int(n("maxtasksperchild"), self.maxtasksperchild, minimum=1,
                                                 none_ok=True))
         put(self, "slow_after_s", check_seconds(n("slow_after_s"), self.slow_after_s))
+        self._check_long_runs(put, n)
+
+    def _check_long_runs(self, put: Any, n: Any) -> None:
+        """The watchdog's and the bad-sample policy's options (docs/design.md)."""
+        stall = self.stall_timeout
+        if stall != "auto":
+            if isinstance(stall, str):
+                raise ValueError(f"{n('stall_timeout')} must be a positive number of seconds, 'auto' or None, "
+                                 f"got {stall!r}")
+            stall = check_seconds(n("stall_timeout"), stall)
+            if stall is not None and not stall > 0:
+                raise ValueError(f"{n('stall_timeout')} must be a positive number of seconds, 'auto' or None, "
+                                 f"got {stall!r}")
+            put(self, "stall_timeout", stall)
+        put(self, "max_retries", check_int(n("max_retries"), self.max_retries, minimum=0))
+        on_error = check_choice(n("on_error"), self.on_error, ("raise", "skip", "substitute"))
+        if on_error != "raise" and (self.num_workers == 0 or self.thread_pool):
+            raise ValueError(f"{n('on_error')}={on_error!r} needs worker processes ({n('num_workers')} > 0, "
+                             f"thread_pool=False), got {n('num_workers')}={self.num_workers}, "
+                             f"thread_pool={self.thread_pool}")
+        frac = self.max_bad_fraction
+        if frac is not None:
+            if isinstance(frac, (bool, np.bool_)) or not isinstance(frac, numbers.Real):
+                raise TypeError(f"{n('max_bad_fraction')} must be a fraction in [0, 1] or None, got {frac!r} "
+                                f"({_type_name(frac)})")
+            if not 0 <= frac <= 1:
+                raise ValueError(f"{n('max_bad_fraction')} must be a fraction in [0, 1] or None, got {frac!r}")
+            put(self, "max_bad_fraction", float(frac))
+        put(self, "max_bad_samples", check_int(n("max_bad_samples"), self.max_bad_samples, minimum=0,
+                                               none_ok=True))
+        log = self.bad_sample_log
+        if log is not None:
+            try:
+                put(self, "bad_sample_log", os.fspath(log))
+            except TypeError:
+                raise TypeError(f"{n('bad_sample_log')} must be a path or None, got {log!r} "
+                                f"({_type_name(log)})") from None
 
     @property
     def base_seed(self) -> int:
@@ -296,4 +356,7 @@ class LoaderOptions:
         """Keyword arguments of ``mploader._engine.Engine`` (besides dataset and fetch)."""
         return dict(num_workers=self.num_workers, prefetch=self.in_flight, auto_prefetch=self.auto_prefetch,
                     shared_mem=self.shared_mem, timeout_s=self.timeout_s, seed=self.seed, copy=self.copy,
-                    maxtasksperchild=self.maxtasksperchild, slow_after_s=self.slow_after_s)
+                    maxtasksperchild=self.maxtasksperchild, slow_after_s=self.slow_after_s,
+                    stall_timeout=self.stall_timeout, max_retries=self.max_retries, on_error=self.on_error,
+                    max_bad_fraction=self.max_bad_fraction, max_bad_samples=self.max_bad_samples,
+                    bad_sample_log=self.bad_sample_log)

@@ -7,7 +7,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from . import _diagnose, _engine, _hot, _metrics, _pinning, _state
+from . import _bad_samples, _diagnose, _engine, _hot, _metrics, _pinning, _state
 from ._collate import Alloc, collate_gluon
 from ._errors import is_batch_error
 from ._executors import START_METHODS
@@ -143,6 +143,34 @@ class DataLoader:
         the ring reaches it as a passed file descriptor; use it when the training
         process runs torch/MKL work in other threads while workers start
         (docs/design.md, "Faults").
+    stall_timeout : float, "auto" or None
+        The watchdog (mploader's keyword; README, "Long runs"): a worker that has
+        worked on one batch for longer than this many seconds has its Python stack
+        logged on the ``"mploader"`` logger, is killed and replaced, and the batch is
+        loaded again -- the loop sees the same batches, bit-identical.  "auto"
+        (default): ``max(60, 10 x the p99 batch time)``, 600 s for the first 20
+        batches.  None: off.
+    max_retries : int
+        Times a stalled batch is loaded again (default 1); once more raises
+        ``mploader.StallError`` carrying every stack taken.
+    on_error : {"raise", "skip", "substitute"}
+        What a sample whose ``dataset[i]`` raises becomes (mploader's keyword):
+        "raise" (default, as Gluon) raises from the batch's ``next()``; "substitute"
+        loads another sample in its place, chosen from (seed, epoch, index) -- batches
+        stay full and every rank gets as many; "skip" leaves it out (the batch is one
+        shorter: unsafe for distributed training).  Not with ``num_workers=0`` or
+        ``thread_pool``.  Every bad sample is in ``stats()["bad_samples"]`` and
+        checkpoints.
+    max_bad_fraction : float or None
+        The budget: more bad samples in an epoch than this fraction of its samples
+        delivered so far (default 0.01, judged from ``1 / max_bad_fraction``
+        samples on) raises ``mploader.BadSampleBudgetError``.  None: no limit.
+    max_bad_samples : int or None
+        The budget: more distinct bad samples over the run raises
+        ``BadSampleBudgetError``.  None (default): no limit.
+    bad_sample_log : str, path or None
+        A JSON-lines file that gets one line per bad sample (index, epoch,
+        batch_index, type, message, substitute).
 
     Raises
     ------
@@ -164,13 +192,17 @@ class DataLoader:
                  num_workers: int = 0, pin_memory: bool = False, pin_device_id: int = 0,
                  prefetch: int | None = None, thread_pool: bool = False, timeout: float | None = 120,
                  try_nopython: bool | None = None, *, shared_mem: int | None = None, copy: bool = False,
-                 seed: int | None = None, start_method: str = "fork") -> None:
+                 seed: int | None = None, start_method: str = "fork", stall_timeout: float | str | None = "auto",
+                 max_retries: int = 1, on_error: str = "raise", max_bad_fraction: float | None = 0.01,
+                 max_bad_samples: int | None = None, bad_sample_log: Any = None) -> None:
         check_dataset(dataset, needs_len=batch_sampler is None)
         start_method = check_choice("start_method", start_method, START_METHODS)
         check_callable("batchify_fn", batchify_fn, none_ok=True)
         self._options = options = LoaderOptions(
             num_workers=num_workers, prefetch=prefetch, shared_mem=shared_mem, timeout_s=timeout, seed=seed,
-            copy=copy, thread_pool=thread_pool, arg_names={"timeout_s": "timeout"})
+            copy=copy, thread_pool=thread_pool, stall_timeout=stall_timeout, max_retries=max_retries,
+            on_error=on_error, max_bad_fraction=max_bad_fraction, max_bad_samples=max_bad_samples,
+            bad_sample_log=bad_sample_log, arg_names={"timeout_s": "timeout"})
         self._shuffler: RandomSampler | None = None
         if batch_sampler is None:
             if batch_size is None:
@@ -275,7 +307,10 @@ class DataLoader:
             A sampler whose order cannot be rebuilt, such as ``RandomSampler(seed=None)``
             (its ``state_dict`` raises).
         """
-        return self._ckpt.state(self._epoch, self._options.base_seed, {"num_workers": self._options.num_workers})
+        extra: dict[str, Any] = {"num_workers": self._options.num_workers}
+        if self._engine is not None and self._options.on_error != "raise":
+            extra["bad_samples"] = self._engine.bad_sample_state()   # the report and the budget's counts
+        return self._ckpt.state(self._epoch, self._options.base_seed, extra)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from a :meth:`state_dict`: the next ``iter()`` continues the saved epoch
@@ -292,9 +327,12 @@ class DataLoader:
             over a dataset of another length, with another batch sampler type, batch
             size, ``last_batch`` or sampler type: the message prints both values.
         """
+        bad = _bad_samples.parse_state(state.get("bad_samples")) if isinstance(state, dict) else None
         loaded = self._ckpt.load(state)
         self._epoch = loaded["epoch"]
         self._adopt_seed(loaded["seed"])
+        if bad is not None and self._engine is not None:
+            self._engine.load_bad_samples(bad)
         if self._engine is not None and loaded["dataset_state"] is not None and self._engine.worker_pids():
             self._engine.stop_workers()   # they hold the dataset as it was when they forked
 
@@ -327,6 +365,11 @@ class DataLoader:
         (published, waiting to be returned) and ``held_slots`` (slots held by batches
         the caller still refers to); ``seeding`` (``"fast"`` or ``"fallback"``: how the
         workers seed and capture the global RNGs, docs/design.md "Per-batch seeding").
+        Long runs (README): ``stalls`` and ``respawns`` (int: batches the watchdog
+        found stuck, workers it replaced); ``bad_samples`` (list of dict, one per bad
+        sample: ``index``, ``epoch``, ``batch_index``, ``type``, ``message``,
+        ``substitute`` -- the index used in its place, None under "skip") and
+        ``bad_sample_count``.
         :func:`mploader.diagnose` turns them into a verdict."""
         if self._engine is None:
             out = _metrics.idle_transport_stats()
