@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import IterableDataset, default_collate, default_convert, get_worker_info
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import _diagnose, _engine, _metrics, _options, _pinning, _torch_state
+from . import _bad_samples, _diagnose, _engine, _metrics, _options, _pinning, _torch_state
 from ._torch_collate import to_tensors, unpack
 from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, PACKED, CapturingFetch, Fetch, WorkerInit
 
@@ -114,6 +114,30 @@ class DataLoader(_TorchDataLoader[_T_co]):
         so an epoch's batches (random augmentations included) are the same for any
         ``num_workers``, 0 included (there the caller's RNG states are restored after
         each batch).  None (default): torch's per-worker seeding.
+    stall_timeout : float, "auto" or None
+        mploader's watchdog (README, "Long runs"): a worker that has worked on one
+        batch longer than this many seconds has its Python stack logged on the
+        ``"mploader"`` logger, is killed and replaced (same worker id), and the batch
+        is loaded again.  The loop sees the same batches in the same order; with
+        ``seed=`` bit-identical, under torch's per-worker seeding the replacement's
+        RNGs start afresh from ``base_seed + id``, so that worker's random
+        augmentations differ from then on (docs/faces.md).  "auto" (default):
+        ``max(60, 10 x p99 batch time)``, 600 s for the first 20 batches; None: off
+        (torch's behaviour: wait for ever, or ``timeout``).
+    max_retries : int
+        Times a stalled batch is loaded again (default 1); one more stall raises
+        ``mploader.StallError`` carrying every stack taken.
+    on_error : {"raise", "skip", "substitute"}
+        "raise" (default, as torch); "substitute": a sample whose ``dataset[i]``
+        raises is replaced by another, chosen from (seed, epoch, index) -- batches
+        stay full and every DDP rank gets as many (``__getitems__`` is then not
+        used: samples are read one at a time); "skip": left out (unsafe for DDP).
+        Map-style datasets with workers only.
+    max_bad_fraction, max_bad_samples, bad_sample_log
+        The budget (default: 1 % of an epoch's samples; ``max_bad_samples`` distinct
+        samples over the run) beyond which ``mploader.BadSampleBudgetError`` ends the
+        run, and a JSON-lines file of the bad samples; ``stats()["bad_samples"]`` and
+        checkpoints carry the report.
 
     Notes
     -----
@@ -145,7 +169,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
                  worker_init_fn: Callable[[int], None] | None = None, multiprocessing_context: Any = None,
                  generator: Any = None, *, prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True, shared_mem: int | None = None,
-                 copy: bool = False, seed: int | None = None, snapshot_every_n_steps: int | None = None) -> None:
+                 copy: bool = False, seed: int | None = None, snapshot_every_n_steps: int | None = None,
+                 stall_timeout: float | str | None = "auto", max_retries: int = 1, on_error: str = "raise",
+                 max_bad_fraction: float | None = 0.01, max_bad_samples: int | None = None,
+                 bad_sample_log: Any = None) -> None:
         extra = {"in_order": in_order} if _TORCH_HAS_IN_ORDER else {}
         self._mpl_auto_prefetch = prefetch_factor is None   # torch's default 2, raised for small batches
         _trainer_record(self, dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
@@ -154,7 +181,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
                         multiprocessing_context=multiprocessing_context, generator=generator,
                         prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
                         pin_memory_device=pin_memory_device, in_order=in_order, shared_mem=shared_mem, copy=copy,
-                        seed=seed, snapshot_every_n_steps=snapshot_every_n_steps)
+                        seed=seed, snapshot_every_n_steps=snapshot_every_n_steps, stall_timeout=stall_timeout,
+                        max_retries=max_retries, on_error=on_error, max_bad_fraction=max_bad_fraction,
+                        max_bad_samples=max_bad_samples, bad_sample_log=bad_sample_log)
         # By keyword: a trainer that records the arguments torch's __init__ received
         # (Lightning, for a loader class defined inside its hooks) must not record the
         # sampler positionally and then pass a new one by keyword.
@@ -177,6 +206,17 @@ class DataLoader(_TorchDataLoader[_T_co]):
                              f"holds at most {_options.MAX_SLOTS} slots), got {self.prefetch_factor} * "
                              f"{num_workers}")
         self.copy = copy
+        # Long runs (README): the watchdog and the bad-sample policy, validated as every face's
+        long_runs = _options.LoaderOptions(
+            num_workers=num_workers, stall_timeout=stall_timeout, max_retries=max_retries, on_error=on_error,
+            max_bad_fraction=max_bad_fraction, max_bad_samples=max_bad_samples, bad_sample_log=bad_sample_log)
+        if on_error != "raise" and isinstance(dataset, IterableDataset):
+            raise ValueError(f"on_error={on_error!r} needs a map-style dataset (an IterableDataset's samples have "
+                             f"no index to substitute), got {type(dataset).__name__}")
+        self.stall_timeout, self.max_retries = long_runs.stall_timeout, long_runs.max_retries
+        self.on_error, self.max_bad_fraction = long_runs.on_error, long_runs.max_bad_fraction
+        self.max_bad_samples, self.bad_sample_log = long_runs.max_bad_samples, long_runs.bad_sample_log
+        self._mpl_bad_loaded: tuple | None = None   # a checkpoint's bad samples, for the next engine
         self._mpl_engine: _engine.Engine | None = None
         self._mpl_engine_key: tuple | None = None
         self._mpl_init: WorkerInit | None = None
@@ -249,7 +289,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
             worker_init=init, reseed_per_batch=self.seed is not None, start_method=start_method,
             on_grow=pinner.on_grow if pinner is not None else None, auto_prefetch=_auto_depth(self),
             poll_held=pinner.poll if pinner is not None else None,
-            copy_below_bytes=SMALL_LEAF_BYTES if pinner is None else 0, warn_when_full=False)
+            copy_below_bytes=SMALL_LEAF_BYTES if pinner is None else 0, warn_when_full=False,
+            stall_timeout=self.stall_timeout, max_retries=self.max_retries, on_error=self.on_error,
+            max_bad_fraction=self.max_bad_fraction, max_bad_samples=self.max_bad_samples,
+            bad_sample_log=self.bad_sample_log)
+        if self._mpl_bad_loaded is not None:
+            engine.load_bad_samples(self._mpl_bad_loaded)
+            self._mpl_bad_loaded = None
         if pinner is not None:
             weakref.finalize(engine, pinner.release)
         return engine, init, pinner
@@ -322,7 +368,18 @@ class DataLoader(_TorchDataLoader[_T_co]):
             An IterableDataset with ``in_order=False`` and workers (which worker builds
             which batch depends on timing), or a sampler whose ``state_dict`` raises.
         """
-        return _torch_state.state_dict(self)
+        state = _torch_state.state_dict(self)
+        if self.on_error != "raise":   # the bad samples' report and budget counts (README, "Long runs")
+            engine = self._mpl_engine
+            state = dict(state)
+            if engine is not None:
+                state["bad_samples"] = engine.bad_sample_state()
+            else:   # (none yet: what a checkpoint loaded, or nothing)
+                ledger = _bad_samples.Ledger(None, None, None)
+                if self._mpl_bad_loaded is not None:
+                    ledger.load(self._mpl_bad_loaded)
+                state["bad_samples"] = ledger.state()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from a :meth:`state_dict`: the next ``iter()`` continues the saved epoch
@@ -338,7 +395,13 @@ class DataLoader(_TorchDataLoader[_T_co]):
             sampler type or sampler state; for an IterableDataset another dataset type
             or ``num_workers`` -- the message prints both values.
         """
+        bad = _bad_samples.parse_state(state.get("bad_samples")) if isinstance(state, dict) else None
         _torch_state.load_state_dict(self, state)
+        if bad is not None and self.on_error != "raise":
+            self._mpl_bad_loaded = bad
+            if self._mpl_engine is not None:
+                self._mpl_engine.load_bad_samples(bad)
+                self._mpl_bad_loaded = None
 
     def stats(self) -> dict:
         """The engine's counters and input-pipeline metrics, as
