@@ -138,6 +138,13 @@ class MultiprocessIterator:
         is issued from inside ``next()`` (once per batch); None disables the warning.
         Turn it into an error with ``warnings.simplefilter('error',
         MultiprocessIterator.TimeoutWarning)``.
+    stall_timeout, max_retries, on_error, max_bad_fraction, max_bad_samples, bad_sample_log
+        mploader's long-run keywords (README, "Long runs"; as ``mploader.DataLoader``),
+        keyword-only.  ``stall_timeout`` is None by default here: Chainer's own
+        ``dataset_timeout`` warning stays the default, and the watchdog (a stuck worker
+        killed, replaced and its batch loaded again) runs only when asked.
+        ``on_error="substitute"`` keeps every batch ``batch_size`` examples long.
+        The serializer does not carry the bad-sample report (``stats()`` does).
     maxtasksperchild : int or None
         Replace a worker after it has built this many batches (Chainer counted
         examples).  The replacement is forked when the retiring worker receives its
@@ -175,7 +182,10 @@ class MultiprocessIterator:
     def __init__(self, dataset: Any, batch_size: int, repeat: bool = True, shuffle: bool | None = None,
                  n_processes: int | None = None, n_prefetch: int = 1, shared_mem: int | None = None,
                  order_sampler: Callable | None = None, dataset_timeout: float | None = 30.0,
-                 maxtasksperchild: int | None = None, *, seed: int | None = None) -> None:
+                 maxtasksperchild: int | None = None, *, seed: int | None = None,
+                 stall_timeout: float | str | None = None, max_retries: int = 1, on_error: str = "raise",
+                 max_bad_fraction: float | None = 0.01, max_bad_samples: int | None = None,
+                 bad_sample_log: Any = None) -> None:
         check_dataset(dataset)
         batch_size = check_int("batch_size", batch_size, minimum=1)
         if n_processes is None:
@@ -197,12 +207,16 @@ class MultiprocessIterator:
         self._configure(dataset=dataset, batch_size=batch_size, repeat=bool(repeat), shuffle=shuffle,
                         n_processes=n_processes, n_prefetch=n_prefetch, shared_mem=shared_mem,
                         order_sampler=order_sampler, dataset_timeout=dataset_timeout,
-                        maxtasksperchild=maxtasksperchild, seed=seed)
+                        maxtasksperchild=maxtasksperchild, seed=seed, long_runs=dict(
+                            stall_timeout=stall_timeout, max_retries=max_retries, on_error=on_error,
+                            max_bad_fraction=max_bad_fraction, max_bad_samples=max_bad_samples,
+                            bad_sample_log=bad_sample_log))
         self.reset()
 
     def _configure(self, *, dataset: Any, batch_size: int, repeat: bool, shuffle: bool | None,
                    n_processes: int, n_prefetch: int, shared_mem: int | None, order_sampler: Callable | None,
-                   dataset_timeout: float | None, maxtasksperchild: int | None, seed: int | None) -> None:
+                   dataset_timeout: float | None, maxtasksperchild: int | None, seed: int | None,
+                   long_runs: dict | None = None) -> None:
         """Validate the engine options, set the construction parameters and the
         machinery; not the state."""
         slot_bytes = None
@@ -211,7 +225,8 @@ class MultiprocessIterator:
         self._options = options = LoaderOptions(
             num_workers=n_processes, prefetch=n_prefetch, shared_mem=slot_bytes, seed=seed,
             maxtasksperchild=maxtasksperchild, slow_after_s=dataset_timeout, busy_workers=True,
-            arg_names=_CHAINER_NAMES)
+            arg_names=_CHAINER_NAMES, **(long_runs or {}))   # (the watchdog and on_error: README, "Long runs")
+        self._long_runs = dict(long_runs or {})
         self.dataset = dataset
         self.batch_size = batch_size
         self.repeat = repeat
@@ -236,7 +251,7 @@ class MultiprocessIterator:
         return dict(dataset=self.dataset, batch_size=self.batch_size, repeat=self.repeat, shuffle=self.shuffle,
                     n_processes=self.n_processes, n_prefetch=self.n_prefetch, shared_mem=self.shared_mem,
                     order_sampler=self.order_sampler, dataset_timeout=self.dataset_timeout,
-                    maxtasksperchild=self.maxtasksperchild, seed=self._seed)
+                    maxtasksperchild=self.maxtasksperchild, seed=self._seed, long_runs=dict(self._long_runs))
 
     # ---- state ----
 
