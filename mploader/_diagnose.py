@@ -7,6 +7,7 @@ a tqdm progress bar.  Nothing here imports tqdm.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import weakref
@@ -115,12 +116,38 @@ def diagnose(loader: Any) -> Diagnosis:
         ``BUSY_WORKERS`` busy (or busy time is not measured), transport-bound if they
         idled; otherwise compute-bound.
 
+        Whatever the verdict, the message ends with what the long-run machinery did
+        (README, "Long runs"): the stuck batches the watchdog loaded again and the
+        workers it replaced (``stalls``, ``respawns``), and the bad samples met
+        (``bad_sample_count``).
+
     Raises
     ------
     TypeError
         ``loader`` has no ``stats()`` method and is not a dict.
     """
     s = _stats_of(loader)
+    d = _verdict(s)
+    notes = _long_run_notes(s)
+    return dataclasses.replace(d, message=d.message + notes) if notes else d
+
+
+def _long_run_notes(s: Mapping[str, Any]) -> str:
+    """The watchdog's and the bad-sample policy's part of the verdict ('' if idle)."""
+    notes = ""
+    stalls, respawns = int(s.get("stalls", 0)), int(s.get("respawns", 0))
+    if stalls:
+        notes += (f"; the watchdog found {stalls} stuck batch{'es' if stalls != 1 else ''} and replaced "
+                  f"{respawns} worker{'s' if respawns != 1 else ''} (their stacks are in the 'mploader' log: a "
+                  "__getitem__ that blocks)")
+    bad = int(s.get("bad_sample_count", 0))
+    if bad:
+        notes += (f"; {bad} bad sample{'s' if bad != 1 else ''} raised in __getitem__ (stats()['bad_samples'] "
+                  "names them)")
+    return notes
+
+
+def _verdict(s: Mapping[str, Any]) -> Diagnosis:
     n = int(s.get("epoch_batches", 0))
     if n < MIN_BATCHES:
         return Diagnosis("unknown", f"unknown: {n} batches measured in this epoch, {MIN_BATCHES} needed for a "
@@ -185,7 +212,8 @@ def format_stats(stats: Mapping[str, Any]) -> str:
             f"waited {wait:.3g} s of {wall:.3g} s; workers {busy_text}; "
             f"{stats.get('ready_batches', 0)} ready, {stats.get('held_slots', 0)} held; "
             f"pipe {stats.get('fallback_pipe', 0)}, in-band {stats.get('fallback_inband', 0)}, "
-            f"no free slot {stats.get('no_free_slot', 0)} -- {diagnose(stats).message}")
+            f"no free slot {stats.get('no_free_slot', 0)}; stalls {stats.get('stalls', 0)}, "
+            f"bad samples {stats.get('bad_sample_count', 0)} -- {diagnose(stats).message}")
 
 
 def postfix(loader: Any) -> dict[str, str]:
