@@ -35,10 +35,13 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 __all__ = ["VERSION", "StateMismatchError", "MapProgress", "MapState", "Snapshots", "check_state", "check_same",
-           "save", "restore", "type_name"]
+           "check_field_int", "check_field_choice", "save", "restore", "type_name"]
 
 #: The version of every state dict this module writes and accepts.
 VERSION = 1
+#: The largest epoch or batch count a state may hold: they travel to the workers as
+#: int64 (mploader/_protocol.py), and an epoch must leave room for the next one.
+INT64_MAX = (1 << 63) - 1
 
 
 class StateMismatchError(ValueError):
@@ -89,6 +92,42 @@ def check_same(name: str, saved: Any, here: Any, what: str = "loader") -> None:
                                  f"{name}={here!r}")
 
 
+def check_field_int(name: str, value: Any, minimum: int = 0, maximum: int | None = INT64_MAX,
+                    none_ok: bool = False) -> int | None:
+    """A state's integer field ``name``, checked to lie in ``[minimum, maximum]``
+    (``maximum`` None: no upper bound).
+
+    Raises
+    ------
+    StateMismatchError
+        ``value`` is not an int (bools are not), or out of range: the message names
+        the field, the value and the range (a ValueError for a wrong type too: a
+        tampered state is bad input, whatever field was changed).
+    """
+    if value is None and none_ok:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (
+            maximum is not None and value > maximum):
+        bound = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise StateMismatchError(f"cannot load the state: {name} must be an int {bound}"
+                                 f"{' or None' if none_ok else ''}, got {value!r:.80}")
+    return value
+
+
+def check_field_choice(name: str, value: Any, choices: tuple) -> Any:
+    """A state's field ``name`` that must be one of ``choices``.
+
+    Raises
+    ------
+    StateMismatchError
+        ``value`` is not one of them (the message lists them).
+    """
+    if not any(value is c or (type(value) is type(c) and value == c) for c in choices):
+        raise StateMismatchError(f"cannot load the state: {name} must be one of "
+                                 f"{', '.join(map(repr, choices))}, got {value!r:.80}")
+    return value
+
+
 def save(obj: Any) -> Any:
     """A deep copy of ``obj.state_dict()``, or None when ``obj`` has no ``state_dict``
     (the copy is a snapshot: later iteration does not change it)."""
@@ -98,22 +137,33 @@ def save(obj: Any) -> Any:
     return copy.deepcopy(method())
 
 
-def restore(obj: Any, state: Any, what: str) -> None:
+def restore(obj: Any, state: Any, what: str, field: str = "") -> None:
     """``obj.load_state_dict(state)`` (with a copy of ``state``) unless ``state`` is None.
 
     Raises
     ------
     StateMismatchError
         ``state`` is not None but ``obj`` has no ``load_state_dict`` (the state was
-        saved from a ``what`` of another type).
+        saved from a ``what`` of another type), or ``obj.load_state_dict`` raised a
+        ValueError, TypeError, KeyError, IndexError, AttributeError or
+        OverflowError: a state it cannot read, tampered or of another type (the
+        message names the state's ``field`` and keeps the original message; the
+        original is the ``__cause__``).
     """
     if state is None:
         return
+    field = field or what
     method = getattr(obj, "load_state_dict", None)
     if not callable(method):
-        raise StateMismatchError(f"cannot load the state: it holds a {what} state, but this loader's {what} "
-                                 f"({type_name(obj)}) has no load_state_dict")
-    method(copy.deepcopy(state))
+        raise StateMismatchError(f"cannot load the state: it holds a {what} state ({field}), but this loader's "
+                                 f"{what} ({type_name(obj)}) has no load_state_dict")
+    try:
+        method(copy.deepcopy(state))
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        # A ValueError naming the field, as for every other field of a state.
+        message = str(exc) if isinstance(exc, ValueError) else f"{type(exc).__name__}: {exc}"
+        raise StateMismatchError(f"{message} (state field {field}: the {what}'s load_state_dict refused "
+                                 f"it)") from exc
 
 
 _END = object()
@@ -124,6 +174,12 @@ def _length(obj: Any) -> int | None:
         return len(obj)
     except TypeError:
         return None
+
+
+def _batch_size(batch_sampler: Any) -> int | None:
+    """The batch sampler's ``batch_size`` (torch's, mploader's), None if it has none."""
+    size = getattr(batch_sampler, "batch_size", None)
+    return size if isinstance(size, int) and not isinstance(size, bool) else None
 
 
 #: How a batch sampler's state behaves within a pass (see :class:`Snapshots`).
@@ -305,7 +361,8 @@ class MapState:
             consumed, ahead = pending["batches_consumed"], set(pending["batches_ahead"])
             position = pending.get("batch_sampler_position", 0)
             if pending["batch_sampler_iter_state"] is not None:
-                restore(it, pending["batch_sampler_iter_state"], "batch sampler's iterator")
+                restore(it, pending["batch_sampler_iter_state"], "batch sampler's iterator",
+                        "batch_sampler_iter_state")
         if error is None:
             try:
                 iter_state = save(it) if pending is None else copy.deepcopy(pending["batch_sampler_iter_state"])
@@ -435,6 +492,7 @@ class MapState:
             "face": self.face,
             "dataset_length": _length(self.dataset),
             "batch_sampler_type": type_name(self.batch_sampler),
+            "batch_size": _batch_size(self.batch_sampler),
             "epoch": epoch,
             "batches_consumed": consumed,
             "batches_ahead": ahead,
@@ -472,20 +530,70 @@ class MapState:
             raise StateMismatchError(f"cannot load the state: it lacks {', '.join(missing)}")
         check_same("dataset_length", state.get("dataset_length"), _length(self.dataset))
         check_same("batch_sampler_type", state.get("batch_sampler_type"), type_name(self.batch_sampler))
-        for name in ("epoch", "batches_consumed", "seed", "batch_sampler_position"):
-            value = state.get(name, 0)
-            if name == "seed" and value is None and seed_none_ok:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise StateMismatchError(f"cannot load the state: {name} must be a non-negative int, got {value!r}")
-        if state.get("batch_sampler_position", 0) > state["batches_consumed"]:
-            raise StateMismatchError(f"cannot load the state: batch_sampler_position="
-                                     f"{state['batch_sampler_position']} is beyond batches_consumed="
-                                     f"{state['batches_consumed']}")
-        restore(self.batch_sampler, state["batch_sampler_state"], "batch sampler")
-        restore(self.dataset, state["dataset_state"], "dataset")
+        if "batch_size" in state:   # (states of mploader < 0.2 lack it)
+            check_same("batch_size", state["batch_size"], _batch_size(self.batch_sampler), "batch sampler")
+        self._check_fields(state, seed_none_ok)
+        # The batches a pass yields may depend on the batch sampler's state (Gluon's
+        # 'rollover' carries indices over): the position is checked against the
+        # restored one, and a refused state puts the previous one back.
+        previous = save(self.batch_sampler) if state["batch_sampler_state"] is not None else None
+        restore(self.batch_sampler, state["batch_sampler_state"], "batch sampler", "batch_sampler_state")
+        try:
+            self._check_position(state)
+        except StateMismatchError:
+            restore(self.batch_sampler, previous, "batch sampler", "batch_sampler_state")
+            raise
+        restore(self.dataset, state["dataset_state"], "dataset", "dataset_state")
         if self.rng is not None and state.get("rng_at") == "epoch_start" and state.get("rng_state") is not None:
             self.rng.set(state["rng_state"])   # as it was before the saved loader's next iter()
         self.pending = copy.deepcopy(dict(state))
         self.progress = None
         return self.pending
+
+    def _check_fields(self, state: Mapping, seed_none_ok: bool) -> None:
+        """The fields :meth:`load` reads, checked before anything is restored (the
+        position within the epoch is checked after the batch sampler's state is
+        restored: :meth:`_check_position`).
+
+        Raises
+        ------
+        StateMismatchError
+            The first field out of range, named with its value and the range.
+        """
+        if not isinstance(state.get("face"), (str, type(None))):   # informational, but a str
+            raise StateMismatchError(f"cannot load the state: face must be a str, got {state.get('face')!r:.80}")
+        check_field_int("epoch", state["epoch"], maximum=INT64_MAX - 1)   # the next epoch must fit too
+        check_field_int("seed", state["seed"], maximum=None, none_ok=seed_none_ok)
+        check_field_int("num_workers", state.get("num_workers", 0))
+        consumed = check_field_int("batches_consumed", state["batches_consumed"])
+        assert consumed is not None
+        check_field_int("batch_sampler_position", state.get("batch_sampler_position", 0), maximum=consumed)
+        mode = check_field_choice("batch_sampler_mode", state.get("batch_sampler_mode"),
+                                  (None, UNDECIDED, PER_PASS, PER_BATCH))
+        if mode not in (PER_BATCH, UNDECIDED):   # a pass rebuilt from a state of its start
+            check_field_int(f"batch_sampler_position (with batch_sampler_mode={mode!r})",
+                            state.get("batch_sampler_position", 0), maximum=0)
+        check_field_choice("rng_at", state.get("rng_at"), (None, "epoch_start", "first_pull"))
+        rng_state = state.get("rng_state")
+        if self.rng is not None and rng_state is not None:
+            self.rng.check(rng_state, "rng_state")
+
+    def _check_position(self, state: Mapping) -> None:
+        """``batches_consumed`` and ``batches_ahead`` (checked ints) within the
+        batches the (restored) batch sampler yields a pass."""
+        consumed, position = state["batches_consumed"], state.get("batch_sampler_position", 0)
+        length = _length(self.batch_sampler)
+        last = INT64_MAX if length is None else position + length   # batch indices are below it
+        if consumed > last:
+            raise StateMismatchError(f"cannot load the state: batches_consumed={consumed} is beyond the epoch: "
+                                     f"the batch sampler yields {length} batches a pass (from "
+                                     f"batch_sampler_position={position}), so it must be in [0, {last}]")
+        ahead = state["batches_ahead"]
+        if not isinstance(ahead, list):
+            raise StateMismatchError(f"cannot load the state: batches_ahead must be a list of batch indices, got "
+                                     f"{ahead!r:.80}")
+        for k, index in enumerate(ahead):
+            check_field_int(f"batches_ahead[{k}]", index, minimum=consumed + 1, maximum=last - 1)
+        if len(set(ahead)) != len(ahead):
+            raise StateMismatchError(f"cannot load the state: batches_ahead must not repeat an index, got "
+                                     f"{ahead!r:.80}")

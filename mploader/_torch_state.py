@@ -29,7 +29,7 @@ from its start, so they hold the workers' states as the epoch started.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,6 +58,9 @@ class _GeneratorRNG:
     def set(self, state: list) -> None:
         self.generator.set_state(torch.tensor(state, dtype=torch.uint8))
 
+    def check(self, state: Any, name: str) -> None:
+        _check_generator_state(state, name, self.generator.get_state().numel())
+
 
 class _GlobalRNG:
     """torch's global CPU generator (what ``RandomSampler(generator=None)`` draws from)."""
@@ -69,6 +72,23 @@ class _GlobalRNG:
 
     def set(self, state: list) -> None:
         torch.random.set_rng_state(torch.tensor(state, dtype=torch.uint8))
+
+    def check(self, state: Any, name: str) -> None:
+        _check_generator_state(state, name, torch.random.get_rng_state().numel())
+
+
+def _check_generator_state(state: Any, name: str, nbytes: int) -> None:
+    """A ``torch.Generator`` state as a state dict holds it: ``nbytes`` ints in [0, 255].
+
+    Raises
+    ------
+    StateMismatchError
+        Not a list of that many such ints (the message names ``name``).
+    """
+    if not isinstance(state, list) or len(state) != nbytes or not all(
+            type(b) is int and 0 <= b <= 255 for b in state):
+        raise _state.StateMismatchError(f"cannot load the state: {name} must be a torch generator state, a list of "
+                                        f"{nbytes} ints in [0, 255], got {state!r:.80}")
 
 
 def _rng_of(sampler: Any) -> Any:
@@ -162,6 +182,7 @@ def _load_generator(loader: DataLoader, state: Any) -> None:
     saved = state.get("base_seed_generator") if isinstance(state, dict) else None
     generator = _base_seed_generator(loader)
     if saved is not None and generator is not None:
+        _check_generator_state(saved, "base_seed_generator", generator.get_state().numel())
         try:
             generator.set_state(torch.tensor(saved, dtype=torch.uint8))
         except (TypeError, ValueError, RuntimeError) as exc:
@@ -213,24 +234,64 @@ def _worker_rng(loader: DataLoader, ckpt: Any, mid_epoch: bool) -> dict | None:
             "assigned": assigned, "next_worker": next_worker}
 
 
-def _check_worker_rng(saved: Any) -> None:
+def _check_worker_rng(saved: Any, num_workers: Any = None) -> None:
     if saved is None:
         return
     if not isinstance(saved, dict):
         raise _state.StateMismatchError(f"cannot load the state: worker_rng must be a dict or None, got {saved!r:.80}")
-    check_int("worker_rng['base_seed']", saved.get("base_seed"), minimum=0)
-    check_int("worker_rng['next_worker']", saved.get("next_worker"), minimum=0)
+    # torch draws a base seed in [0, 2**63); worker i seeds from base_seed + i
+    _state.check_field_int("worker_rng['base_seed']", saved.get("base_seed"), maximum=_state.INT64_MAX - 4096)
+    _state.check_field_int("worker_rng['next_worker']", saved.get("next_worker"))
     states = saved.get("states")
     if not isinstance(states, list):
         raise _state.StateMismatchError(f"cannot load the state: worker_rng['states'] must be a list, got "
                                         f"{states!r:.80}")
+    if num_workers is not None and len(states) != num_workers:
+        raise _state.StateMismatchError(f"cannot load the state: worker_rng['states'] must hold one entry per worker "
+                                        f"(num_workers={num_workers}), got {len(states)}")
     for i, st in enumerate(states):
         if st is not None:
-            _rng_state.check_json(st, f"worker_rng['states'][{i}]")
+            _check_rng_json(st, f"worker_rng['states'][{i}]")
     assigned = saved.get("assigned")
     if not isinstance(assigned, list) or not all(isinstance(a, list) and len(a) == 2 for a in assigned):
         raise _state.StateMismatchError(f"cannot load the state: worker_rng['assigned'] must be a list of "
                                         f"[batch_index, worker_id] pairs, got {assigned!r:.80}")
+    for k, (batch_index, worker_id) in enumerate(assigned):
+        _state.check_field_int(f"worker_rng['assigned'][{k}][0] (a batch index)", batch_index)
+        _state.check_field_int(f"worker_rng['assigned'][{k}][1] (a worker id)", worker_id,
+                               maximum=max(len(states) - 1, 0))
+
+
+def _check_rng_json(st: Any, name: str) -> None:
+    """One worker's RNG states (``_rng_state.to_json``), every value in its range.
+
+    Raises
+    ------
+    StateMismatchError
+        A field is missing or out of range (the message names it).
+    """
+    _rng_state.check_json(st, name)   # the shape
+
+    def words(field: str, values: list, bound: int) -> None:
+        if not all(type(v) is int and 0 <= v < bound for v in values):
+            raise _state.StateMismatchError(f"cannot load the state: {name}[{field}] must hold ints in [0, {bound}), "
+                                            f"got {values!r:.80}")
+
+    words("'python']['state'", st["python"]["state"][:-1], 1 << 32)
+    _state.check_field_int(f"{name}['python']['state'][-1] (the position)", st["python"]["state"][-1],
+                           maximum=624)
+    gauss = st["python"].get("gauss_next")
+    if gauss is not None and not isinstance(gauss, float):
+        raise _state.StateMismatchError(f"cannot load the state: {name}['python']['gauss_next'] must be a float or "
+                                        f"None, got {gauss!r:.80}")
+    words("'numpy']['key'", st["numpy"]["key"], 1 << 32)
+    _state.check_field_int(f"{name}['numpy']['pos']", st["numpy"]["pos"], maximum=624)
+    _state.check_field_int(f"{name}['numpy']['has_gauss']", st["numpy"].get("has_gauss", 0), maximum=1)
+    if not isinstance(st["numpy"].get("gauss", 0.0), (float, int)) or isinstance(st["numpy"].get("gauss"), bool):
+        raise _state.StateMismatchError(f"cannot load the state: {name}['numpy']['gauss'] must be a float, got "
+                                        f"{st['numpy'].get('gauss')!r:.80}")
+    if st.get("torch") is not None:
+        _check_generator_state(st["torch"], f"{name}['torch']", torch.random.get_rng_state().numel())
 
 
 class Position:
@@ -241,7 +302,7 @@ class Position:
 
     __slots__ = ("progress", "pairs", "skip", "current")
 
-    def __init__(self, progress: _state.MapProgress, pairs: Iterator[tuple], skip: frozenset) -> None:
+    def __init__(self, progress: _state.MapProgress, pairs: Iterator[tuple], skip: Container[int]) -> None:
         self.progress = progress
         self.pairs = pairs
         self.skip = skip
@@ -271,10 +332,10 @@ def begin(loader: DataLoader, epoch: int, sampler_iter: Iterator, iterators_per_
     ckpt = _checkpoint(loader)
     if isinstance(ckpt, _IterableState):
         pending, ckpt.pending = ckpt.pending, None
-        skip: frozenset = frozenset()
+        skip: Container[int] = frozenset()
         progress = _state.MapProgress(epoch, 0, set(), None, None, None)
         if pending is not None:
-            skip = frozenset(range(pending["batches_consumed"]))
+            skip = range(pending["batches_consumed"])   # (a range: any count fits in memory)
         ckpt.progress = progress
         return Position(progress, enumerate(sampler_iter), skip)
     progress, tasks = ckpt.start_epoch(epoch, sampler_iter, iterators_per_epoch)
@@ -327,21 +388,23 @@ def load_state_dict(loader: DataLoader, state: Any) -> None:
                 f"cannot load the state: it was saved with num_workers={state.get('num_workers')!r}, this loader "
                 f"has num_workers={loader.num_workers} (an IterableDataset's position lives in each worker's "
                 f"replica, so it resumes only with the same number of workers)")
-        for name in ("epoch", "batches_consumed"):
-            check_int(name, state.get(name), minimum=0)
-        _check_worker_rng(state.get("worker_rng"))
+        _state.check_field_int("epoch", state.get("epoch"), maximum=_state.INT64_MAX - 1)
+        _state.check_field_int("batches_consumed", state.get("batches_consumed"))
+        _state.check_field_int("seed", state.get("seed"), maximum=None, none_ok=True)
+        _check_worker_rng(state.get("worker_rng"), loader.num_workers)
         ckpt.pending = copy.deepcopy(dict(state))
         ckpt.progress = None
         loaded = ckpt.pending
     else:
         if isinstance(state, dict):
-            _check_worker_rng(state.get("worker_rng"))
+            saved_workers = state.get("num_workers")
+            _check_worker_rng(state.get("worker_rng"), saved_workers if isinstance(saved_workers, int) else None)
         loaded = ckpt.load(state, seed_none_ok=True)
     _load_generator(loader, loaded)
     loader._mpl_epoch = loaded["epoch"]
-    seed = loaded["seed"]
+    seed = loaded.get("seed")
     if seed is not None:
-        seed = check_int("seed", seed, minimum=0)
+        seed = _state.check_field_int("seed", seed, maximum=None)
     if seed != loader.seed or isinstance(ckpt, _IterableState):
         loader.seed = seed
         # The engine was built for the other seeding, or its workers' replicas have

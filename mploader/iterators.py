@@ -543,10 +543,8 @@ class MultiprocessIterator:
         for name, here in (("dataset_length", len(self.dataset)), ("batch_size", self.batch_size),
                            ("order_sampler_type", self._order_sampler_type())):
             _state.check_same(name, state.get(name), here, "iterator")
-        order = state.get("order")
-        if order is not None and len(order) != self._epoch_size:
-            _state.check_same("len(order)", len(order), self._epoch_size, "iterator")
-        seed = check_int("seed", state.get("seed"), minimum=0)
+        self._check_fields(state)
+        seed = state["seed"]
         if seed != self._seed:
             self._seed = seed
             self._options = dataclasses.replace(self._options, seed=seed)
@@ -561,6 +559,46 @@ class MultiprocessIterator:
             return np.asarray(state[key]) if isinstance(value, np.ndarray) else state[key]
 
         self.serialize(loader)
+
+    def _check_fields(self, state: dict) -> None:
+        """Every field :meth:`load_state_dict` reads, in its range, before anything is
+        restored.
+
+        Raises
+        ------
+        mploader._state.StateMismatchError
+            The first field out of range, named with its value and the range.
+        """
+        missing = [k for k in ("current_position", "epoch", "is_new_epoch", "order", "previous_epoch_detail", "seed")
+                   if k not in state]
+        if missing:
+            raise _state.StateMismatchError(f"cannot load the state: it lacks {', '.join(missing)}")
+        size = self._epoch_size
+        _state.check_field_int("seed", state.get("seed"), maximum=None)
+        _state.check_field_int("current_position", state.get("current_position"), maximum=max(size - 1, 0))
+        _state.check_field_int("epoch", state.get("epoch"), maximum=_state.INT64_MAX - 1)
+        if type(state.get("is_new_epoch")) is not bool:
+            raise _state.StateMismatchError(f"cannot load the state: is_new_epoch must be a bool, got "
+                                            f"{state.get('is_new_epoch')!r:.80}")
+        order = state.get("order")
+        if self._state.order is None:   # no order sampler: no order
+            if order is not None:
+                raise _state.StateMismatchError(f"cannot load the state: order must be None for an iterator "
+                                                f"without order sampler, got {order!r:.80}")
+        else:
+            if not isinstance(order, list):
+                raise _state.StateMismatchError(f"cannot load the state: order must be a list of dataset indices, "
+                                                f"got {order!r:.80}")
+            _state.check_same("len(order)", len(order), size, "iterator")
+            n = len(self.dataset)
+            if not all(type(i) is int and 0 <= i < n for i in order):
+                raise _state.StateMismatchError(f"cannot load the state: order must hold dataset indices, ints in "
+                                                f"[0, {n - 1}], got {order!r:.80}")
+        detail = state.get("previous_epoch_detail")
+        if isinstance(detail, bool) or not isinstance(detail, (int, float)) or not (
+                detail == -1.0 or 0.0 <= detail <= _state.INT64_MAX):
+            raise _state.StateMismatchError(f"cannot load the state: previous_epoch_detail must be -1.0 (none) or a "
+                                            f"finite float >= 0, got {detail!r:.80}")
 
     def __getstate__(self) -> dict:
         """The construction parameters and the iteration state; not the workers."""

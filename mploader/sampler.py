@@ -341,7 +341,15 @@ class BatchSampler(Sampler):
         for name, here in (("batch_size", self._batch_size), ("last_batch", self._last_batch),
                            ("sampler_type", _state.type_name(self._sampler))):
             _state.check_same(name, state.get(name), here, "batch sampler")
-        carry = list(state.get("carry", []))
+        carry = state.get("carry", [])
+        if not isinstance(carry, list):
+            raise _state.StateMismatchError(f"cannot load the state: carry must be a list of indices, got "
+                                            f"{carry!r:.80}")
+        if isinstance(self._sampler, (SequentialSampler, RandomSampler)) and not all(
+                type(i) is int and 0 <= i < len(self._sampler) for i in carry):
+            raise _state.StateMismatchError(f"cannot load the state: carry must hold indices of the sampler, ints "
+                                            f"in [0, {len(self._sampler) - 1}], got {carry!r:.80}")
+        carry = list(carry)
         if len(carry) >= self._batch_size:
             raise _state.StateMismatchError(f"cannot load the state: carry must hold fewer than batch_size="
                                             f"{self._batch_size} indices, got {len(carry)}")

@@ -288,7 +288,8 @@ def test_version_kind_and_type_are_checked():
             loader.load_state_dict({**state, "kind": "chainer"})
         with pytest.raises(TypeError, match="state must be a dict returned by state_dict\\(\\), got list"):
             loader.load_state_dict([])
-        with pytest.raises(StateMismatchError, match="batches_consumed must be a non-negative int, got -1"):
+        with pytest.raises(StateMismatchError,
+                           match=r"batches_consumed must be an int in \[0, 9223372036854775807\], got -1"):
             loader.load_state_dict({**state, "batches_consumed": -1})
     bs = BatchSampler(SequentialSampler(20), 3)
     with mploader.DataLoader(np.arange(20), batch_sampler=bs) as other:
