@@ -19,7 +19,8 @@ Two sides (docs/design.md, "Bad samples"):
   batch is published, so the parent has it when it takes the batch) and substitutes;
 * the parent's :class:`Ledger` -- one per engine -- keeps the report (index,
   exception type and message, epoch, substitute), counts the budget
-  (``max_bad_fraction`` of an epoch's samples, ``max_bad_samples`` distinct indices
+  (``max_bad_fraction`` of an epoch's samples delivered so far, over at least
+  ``FRACTION_MIN_BAD / max_bad_fraction`` of them; ``max_bad_samples`` distinct indices
   over the run), logs one WARNING per distinct exception type, appends each record
   to ``bad_sample_log`` (JSON lines) and travels in checkpoints.
 """
@@ -45,6 +46,11 @@ KIND_REPORT = 16
 MAX_SUBSTITUTES = 8
 #: The default budget: an epoch may have at most 1 % bad samples.
 DEFAULT_MAX_BAD_FRACTION = 0.01
+#: The fraction is judged over at least FRACTION_MIN_BAD / max_bad_fraction samples:
+#: until then an epoch may have FRACTION_MIN_BAD bad ones (two bad samples among the
+#: first 160 are 1.25 % and say nothing of a dataset with 0.1 % bad); a broken
+#: dataset (half of it bad) still ends the run within ~20 samples.
+FRACTION_MIN_BAD = 10
 _MASK64 = (1 << 64) - 1
 _SALT = 0x62616473616D706C  # "badsampl": substitutes draw from their own stream
 
@@ -171,7 +177,9 @@ class Ledger:
     ----------
     max_bad_fraction : float or None
         The most bad samples an epoch may have, as a fraction of the samples it has
-        delivered so far; judged once at least ``1 / max_bad_fraction`` were.
+        delivered so far, counted over at least ``FRACTION_MIN_BAD /
+        max_bad_fraction`` samples (so up to FRACTION_MIN_BAD bad ones are allowed
+        early in an epoch; none with 0).
     max_bad_samples : int or None
         The most distinct bad sample indices over the run (checkpoints carry it).
     log_path : str or None
@@ -238,7 +246,7 @@ class Ledger:
         frac = self.max_bad_fraction
         if frac is not None:
             seen, bad = self.epoch_samples.get(epoch, 0), self.epoch_bad.get(epoch, 0)
-            if seen * frac >= 1 and bad > frac * seen:
+            if bad > (frac * max(seen, FRACTION_MIN_BAD / frac) if frac > 0 else 0):
                 raise BadSampleBudgetError(
                     f"{bad} of the {seen} samples of epoch {epoch} delivered so far raised ({bad / seen:.2%}), "
                     f"more than max_bad_fraction={frac}; the last: sample {self.records[-1]['index']} raised "
