@@ -143,9 +143,11 @@ LIGHTNING_SCRIPT = textwrap.dedent('''
             dl = self.trainer.train_dataloader
             sampler = dl.sampler
             order = [int(i) for i in sampler]
-            print("RESULT " + json.dumps({"rank": self.global_rank, "cls": type(dl).__module__, "seed": dl.seed,
-                                          "copy": dl.copy, "slot": dl.stats()["slot"], "seen": self.seen,
-                                          "sampler": type(sampler).__name__, "order": order}), flush=True)
+            # one file per rank: the ranks' stdout lines can interleave
+            with open(f"result-{self.global_rank}.json", "w") as f:
+                json.dump({"rank": self.global_rank, "cls": type(dl).__module__, "seed": dl.seed, "copy": dl.copy,
+                           "slot": dl.stats()["slot"], "seen": self.seen, "sampler": type(sampler).__name__,
+                           "order": order}, f)
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), 0.1)
 
@@ -171,8 +173,7 @@ def run_lightning(tmp_path, mode: str) -> list[dict]:
     p = subprocess.run([sys.executable, str(script), mode], cwd=tmp_path, capture_output=True, text=True,
                        timeout=240, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return sorted((json.loads(line[len("RESULT "):]) for line in p.stdout.splitlines()
-                   if line.startswith("RESULT ")), key=lambda r: r["rank"])
+    return [json.loads(f.read_text()) for f in sorted(tmp_path.glob("result-*.json"))]
 
 
 @pytest.mark.parametrize("mode", ["inside", "instance"], ids=["loader class imported in the hook",
