@@ -393,3 +393,36 @@ def test_a_killed_zygote_is_replaced_at_the_next_start():
             assert _zygote.zygote_pid() not in (None, old)
     finally:
         loader.close()
+
+
+def test_a_parent_that_blocked_sigchld_still_learns_its_workers_exit_status(tmp_path):
+    """A zygote started by a thread that blocked SIGCHLD must still be woken by its
+    workers' deaths (else the loader waits for its timeout instead of raising
+    WorkerError).  A signal mask survives exec; ``subprocess`` clears it in the child,
+    which is what this pins."""
+    script = tmp_path / "blocked.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys
+        import numpy as np
+        import mploader
+
+        class Dies:
+            def __len__(self):
+                return 8
+            def __getitem__(self, i):
+                if i == 5:
+                    os._exit(7)
+                return np.zeros(2)
+
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+        loader = mploader.DataLoader(Dies(), batch_size=2, num_workers=2, start_method="spawn", timeout=20)
+        try:
+            list(loader)
+        except mploader.WorkerError as exc:
+            print("WorkerError", exc.exitcode)
+        finally:
+            loader.close()
+    """))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "WorkerError 7"
