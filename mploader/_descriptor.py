@@ -47,7 +47,7 @@ from . import _structure as S
 from ._inband import CorruptDescriptor, InbandPickler, simple_dtype
 from ._sizing import HEADROOM, shrink, sizing_for
 
-__all__ = ["ALIGN", "CorruptDescriptor", "SlotWriter", "decode", "read_record"]
+__all__ = ["ALIGN", "CorruptDescriptor", "SlotWriter", "decode"]
 
 #: Alignment of every array (and of the descriptor) in a slot payload, bytes.
 ALIGN = 64
@@ -484,10 +484,3 @@ def decode(lease: _ring.SlotLease, desc_off: int, desc_len: int, copy: bool = Fa
             raise
         raise CorruptDescriptor(f"slot {lease.slot} (batch {lease.seq}): {e}", slot=lease.slot,
                                 field="descriptor") from e.__cause__
-
-def read_record(lease: _ring.SlotLease, desc_off: int, desc_len: int) -> Any:
-    """Decode a slot whose arrays (if any) must be copied out: an error record.
-
-    As :func:`decode` with ``copy=True``; raises :class:`CorruptDescriptor`.
-    """
-    return decode(lease, desc_off, desc_len, copy=True)

@@ -13,11 +13,27 @@ from __future__ import annotations
 import os
 import pickle
 import signal as _signal
+import sys
 import traceback
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["WorkerError", "WorkerTraceback", "BatchFailure", "ExitStatus", "is_batch_error"]
+__all__ = ["WorkerError", "WorkerTraceback", "BatchFailure", "ExitStatus", "is_batch_error", "warn_at_caller"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def warn_at_caller(message: str, category: type[Warning]) -> None:
+    """``warnings.warn(message, category)`` attributed to the first frame outside the
+    mploader package (the user's ``next()`` or ``for`` line), however deep the
+    engine's frames are -- never a hard-coded ``stacklevel``, which breaks when a
+    call is added between."""
+    frame = sys._getframe(1)
+    level = 2  # warnings.warn's stacklevel of the caller's frame (1 is this function)
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)).startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1  # type: ignore[assignment]
+    warnings.warn(message, category, stacklevel=level)
 
 
 class WorkerError(RuntimeError):

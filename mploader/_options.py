@@ -29,8 +29,8 @@ import numpy as np
 
 from . import _ring
 
-#: The most slots one ring can have (``mploader._ring.MAX_SLOTS`` once the ring exports it).
-MAX_SLOTS: int = int(getattr(_ring, "MAX_SLOTS", 4096))
+#: The most slots one ring can have (the C core's MPL_MAX_SLOTS).
+MAX_SLOTS: int = _ring.MAX_SLOTS
 #: The largest payload one slot can be created with, in bytes.
 MAX_SLOT_BYTES: int = int(getattr(_ring, "MAX_SLOT_BYTES", 1 << 40))
 #: Slots beyond ``prefetch`` the engine adds (the batch the caller holds, the previous

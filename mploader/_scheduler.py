@@ -19,14 +19,13 @@ import pickle
 import select
 import signal
 import time
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import _bad_samples, _hot, _memory, _ring, _watchdog
 from ._descriptor import decode
-from ._errors import UNKNOWN_STATUS, BatchFailure, WorkerError
+from ._errors import UNKNOWN_STATUS, BatchFailure, WorkerError, warn_at_caller
 from ._executors import WorkerProcess, exited, stop_workers
 from ._metrics import Meter
 from ._options import SMALL_BATCHES_BYTES
@@ -434,7 +433,7 @@ class Scheduler:
                            "further batches travel pickled through a pipe until some are released "
                            "(drop references to old batches, or pass copy=True)")
                 if self.engine.warn_when_full:
-                    warnings.warn(message, RuntimeWarning, stacklevel=6)
+                    warn_at_caller(message, RuntimeWarning)
                 else:
                     _LOG.info(message)
         return slot

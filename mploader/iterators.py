@@ -17,10 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import os
-import sys
 import threading
-import types
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +27,7 @@ import numpy as np
 from . import _diagnose, _engine, _metrics, _state
 from ._chainer_inline import InlineLoader, InlineRun, fetch_examples
 from ._chainer_state import OrderSampler, ShuffleOrderSampler, State, plan
-from ._errors import is_batch_error
+from ._errors import is_batch_error, warn_at_caller
 from ._options import MAX_SLOT_BYTES, LoaderOptions, check_callable, check_dataset, check_int
 
 __all__ = ["MultiprocessIterator", "OrderSampler", "ShuffleOrderSampler"]
@@ -47,16 +44,11 @@ _CHAINER_NAMES = {"num_workers": "n_processes", "prefetch": "n_prefetch", "slow_
 def _warn_stalled(waited_s: float) -> None:
     """Issue ``TimeoutWarning``, attributed to the first frame outside the mploader
     package (the caller of ``next()``), however deep the engine's frames are."""
-    pkg = os.path.dirname(__file__)
-    frame: types.FrameType | None = sys._getframe(1)
-    level = 2  # warnings.warn's stacklevel of that frame (1 is this function)
-    while frame is not None and os.path.dirname(frame.f_code.co_filename) == pkg:
-        frame, level = frame.f_back, level + 1
-    warnings.warn(
+    warn_at_caller(
         f"a batch of the dataset has been loading for {waited_s:.1f} s (dataset_timeout): the dataset may be "
         "stalled (a dead lock in OpenCV or OpenMP after fork is a common cause; try OMP_NUM_THREADS=1 or "
         "cv2.setNumThreads(0)); raise dataset_timeout, or pass None to silence this warning",
-        MultiprocessIterator.TimeoutWarning, stacklevel=level)
+        MultiprocessIterator.TimeoutWarning)
 
 
 def _on_slow(seq: int, waited_s: float) -> None:

@@ -235,6 +235,7 @@ def test_holding_every_batch_falls_back_to_pipe_with_one_warning(num_workers):
         runtime = [w for w in caught if issubclass(w.category, RuntimeWarning)]
         assert len(runtime) == 1, [str(w.message) for w in caught]
         assert "slots are held" in str(runtime[0].message)
+        assert runtime[0].filename == __file__   # the user's line (list(dl)), not an engine frame
         assert len(caught) == 1
         for k, (arr, num) in enumerate(held):
             np.testing.assert_array_equal(arr, [np.arange(6, dtype=np.int32) + k])

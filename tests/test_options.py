@@ -25,7 +25,7 @@ from mploader._options import LoaderOptions, default_seed
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_leaks")]
 
 # The reference limits, from the ring itself (independent of _options' own constants).
-RING_SLOTS = getattr(_ring, "MAX_SLOTS", 4096)
+RING_SLOTS = _ring.MAX_SLOTS
 RING_SLOT_BYTES = getattr(_ring, "MAX_SLOT_BYTES", 1 << 40)
 PREFETCH_LIMIT = RING_SLOTS - 3
 
