@@ -23,9 +23,11 @@ either snapshot (torch's ``torch_<pid>_...``).  An entry that another process ma
 and removes, or keeps, is never counted.
 
 multiprocessing's helpers (the resource tracker, the fork server, the resource
-sharer's listener thread, the shared heap's arenas) are made on first use and live
-until the interpreter exits, by design: they are recognised by the pid, descriptors
-and inodes that multiprocessing records for them, wherever in a test they start.
+sharer's listener thread, the shared heap's arenas) and mploader's zygote (the parent
+of spawn/forkserver workers, mploader/_zygote.py) are made on first use and live until
+the interpreter exits, by design: they are recognised by the pid, descriptors and
+inodes recorded for them, wherever in a test they start.  Their children are not:
+a worker the zygote forked and nobody stopped is a leaked grandchild.
 """
 from __future__ import annotations
 
@@ -45,10 +47,10 @@ def mp_helpers() -> tuple[set[int], set[int], set[int]]:
     """``(pids, fds, inodes)`` of multiprocessing's per-process helpers now in this
     process tree, which live until the interpreter exits by design: the resource
     tracker (its pid, the pipe to it), the fork server (its pid, its "alive" pipe), the
-    resource sharer (its listening socket), and the shared heap's arenas behind
+    resource sharer (its listening socket), the shared heap's arenas behind
     ``multiprocessing.Value``/``Array`` (kept for reuse; each file is open twice and
-    mapped, told by its inode).  Only modules already imported are looked at
-    (importing them starts nothing)."""
+    mapped, told by its inode), and mploader's zygote (its pid, its socket).  Only
+    modules already imported are looked at (importing them starts nothing)."""
     pids: set[int] = set()
     fds: set[int] = set()
     inodes: set[int] = set()

@@ -17,6 +17,7 @@ import textwrap
 import uuid
 from multiprocessing import shared_memory
 
+import psutil
 import pytest
 from _leaks import SHM_DIR, Snapshot, check
 
@@ -234,6 +235,18 @@ def test_multiprocessing_shared_heap_is_not_a_leak():
     before = Snapshot()
     values = [multiprocessing.get_context("fork").Value("i", k, lock=False) for k in range(3)]
     assert [v.value for v in values] == [0, 1, 2]
+    assert check(before) == []
+
+
+def test_mploaders_zygote_is_not_a_leak():
+    """The zygote (spawn/forkserver workers' parent) lives as long as this process: not
+    counted when a test starts it."""
+    zygote = pytest.importorskip("mploader._zygote")
+    if not zygote.enabled():
+        pytest.skip(f"the zygote is turned off ({zygote.ENV}=0)")
+    before = Snapshot()
+    zygote.warm()
+    assert zygote.zygote_pid() in {c.pid for c in psutil.Process().children()}
     assert check(before) == []
 
 
