@@ -18,7 +18,9 @@ Long-lived helpers, handled explicitly:
 * tqdm's process-wide write lock (a multiprocessing RLock: a mapped POSIX semaphore,
   made at the first progress bar and kept) is made here, before any test.
 
-After the test the item's fixture values are dropped before the comparison: their
+A test that failed is not checked (its traceback keeps its frames, and whatever they
+refer to, alive: the leak report would repeat the failure).  After a test that passed,
+the item's fixture values are dropped before the comparison: their
 teardowns have run (this fixture is set up first, so torn down last), and a value
 released by deallocation (a closed Region keeps its mapping until it is collected)
 would otherwise still be held by the item until pytest drops it after teardown.
@@ -55,9 +57,20 @@ def _no_leaks(request):
         request.getfixturevalue("mp_helpers")
     before = Snapshot()
     yield before
+    if getattr(request.node, "_leaks_call_failed", False):
+        return  # its traceback holds the test's frames and what they refer to: no second report
     if request.node.funcargs:
         request.node.funcargs.clear()
     assert_no_leaks(before)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Remember whether the test itself failed (for ``_no_leaks``)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call":
+        item._leaks_call_failed = report.failed
 
 
 @pytest.fixture

@@ -258,7 +258,8 @@ def test_a_leaking_test_fails_in_any_module(tmp_path):
     """The autouse fixture itself: a child pytest with this directory's conftest runs a
     module not named test_core_*; its leaking test errors at teardown naming the leak,
     the clean one passes, and so do one that starts its helpers in ``mp_helpers`` and
-    one whose fixture value holds a mapping until it is collected."""
+    one whose fixture value holds a mapping until it is collected; a failing test is
+    reported once (not again for what its traceback holds)."""
     for name in ("conftest.py", "_leaks.py"):
         shutil.copy(os.path.join(HERE, name), tmp_path / name)
     (tmp_path / "test_planted.py").write_text(textwrap.dedent("""
@@ -296,10 +297,17 @@ def test_a_leaking_test_fails_in_any_module(tmp_path):
 
         def test_with_a_value_released_when_collected(held):
             pass
+
+        def test_fails_holding_a_pipe_in_its_frame():
+            r, w = os.pipe()
+            reader, writer = open(r, "rb"), open(w, "wb")
+            assert reader is writer, "the planted failure"
     """))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-p", "no:randomly",
                            str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     out = proc.stdout
     assert proc.returncode == 1, out + proc.stderr
-    assert "4 passed, 1 error" in out, out  # the leaking test passes, its teardown errs
+    assert "1 failed, 4 passed, 1 error" in out, out  # the leaking test passes, its teardown errs
     assert "ERROR at teardown of test_leaks_a_pipe" in out and "file descriptors left open" in out, out
+    # a failed test is reported once: its traceback holds its frame's pipe, not a leak
+    assert "ERROR at teardown of test_fails_holding" not in out and "the planted failure" in out, out
