@@ -123,7 +123,6 @@ class _Zygote:
     proc: subprocess.Popen | None = None
     sock: socket.socket | None = None
     lock = threading.Lock()
-    preloaded: frozenset[str] = frozenset()
     seq = 0                     # the number of the last request
 
 
@@ -165,7 +164,8 @@ def _start() -> None:
         raise
     sock = socket.socket(fileno=ours_fd)
     try:
-        boot = json.dumps({"path": sys.path, "parent": os.getpid(), "fd": theirs_fd, "preload": _preload()})
+        path = [p for p in sys.path if isinstance(p, str)]  # (each request brings the whole of it)
+        boot = json.dumps({"path": path, "parent": os.getpid(), "fd": theirs_fd, "preload": _preload()})
         code = ("import sys, json; a = json.loads(sys.argv[1]); sys.path[:] = a['path']; "
                 "from mploader._zygote import main; main(a)")
         args = [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", code, boot]  # type: ignore[attr-defined]
@@ -177,7 +177,6 @@ def _start() -> None:
         raise
     os.close(theirs_fd)
     _Zygote.proc, _Zygote.sock, _Zygote.pid = proc, sock, os.getpid()
-    _Zygote.preloaded = frozenset(_preload())
 
 
 def _ensure() -> socket.socket:
