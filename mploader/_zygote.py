@@ -332,6 +332,10 @@ def main(args: dict) -> None:
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.signal(signal.SIGCHLD, lambda *a: None)
     signal.set_wakeup_fd(wake_w)
+    # The thread that started this process may have blocked SIGCHLD (a signal mask
+    # survives fork and exec): its workers' deaths would never wake this loop, and the
+    # loader would wait for its timeout.  Each worker gets the mask back.
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGCHLD})
     try:
         parent_fd = os.pidfd_open(parent) if hasattr(os, "pidfd_open") else -1
     except OSError:
@@ -367,7 +371,7 @@ def main(args: dict) -> None:
             if not msg:
                 _die(children)
             seq, msg = msg[:8], msg[8:]
-            pid_or_error = _fork_worker(msg, fds, sock, wake_r, wake_w, parent_fd, children, _worker)
+            pid_or_error = _fork_worker(msg, fds, sock, wake_r, wake_w, parent_fd, children, _worker, mask)
             try:
                 sock.send(seq + pickle.dumps(pid_or_error))
             except OSError:  # the parent is gone
@@ -411,7 +415,7 @@ def _die(children: dict[int, int]) -> None:
 
 
 def _fork_worker(msg: bytes, fds: list[int], sock: socket.socket, wake_r: int, wake_w: int, parent_fd: int,
-                 children: dict[int, int], worker: Any) -> tuple[str, Any]:
+                 children: dict[int, int], worker: Any, mask: Any) -> tuple[str, Any]:
     try:
         modules, path, cwd, env, name, boot_bytes = pickle.loads(msg)
         if path != sys.path:
@@ -427,6 +431,7 @@ def _fork_worker(msg: bytes, fds: list[int], sock: socket.socket, wake_r: int, w
         try:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
             for fd in (wake_r, wake_w, parent_fd, sock.detach(), *children.values()):
                 if fd >= 0:
                     os.close(fd)

@@ -396,10 +396,9 @@ def test_a_killed_zygote_is_replaced_at_the_next_start():
 
 
 def test_a_parent_that_blocked_sigchld_still_learns_its_workers_exit_status(tmp_path):
-    """A zygote started by a thread that blocked SIGCHLD must still be woken by its
-    workers' deaths (else the loader waits for its timeout instead of raising
-    WorkerError).  A signal mask survives exec; ``subprocess`` clears it in the child,
-    which is what this pins."""
+    """A signal mask survives fork and exec: a zygote started by a thread that blocked
+    SIGCHLD was never woken by its workers' deaths, and the loader waited for its
+    timeout (the script hung) instead of raising WorkerError."""
     script = tmp_path / "blocked.py"
     script.write_text(textwrap.dedent("""
         import os, signal, sys
