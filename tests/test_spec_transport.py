@@ -274,3 +274,16 @@ def test_the_memfd_is_closed_and_unmapped_by_close():
     assert packed.fd == -1 and packed.map is None
     assert not any(os.readlink(f"/proc/self/fd/{f}").startswith("/memfd:mploader-spec")
                    for f in map(int, os.listdir("/proc/self/fd")) if os.path.exists(f"/proc/self/fd/{f}"))
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, (1 << 20) + 3, 3 * (1 << 20) + 13])
+def test_the_chunked_compare_finds_any_changed_byte(n):
+    """``_equal`` (the new generation's check that its buffers are the memfd's) against
+    ``bytes ==``: a change at the first byte, the last, inside the 8-byte tail, at a
+    chunk boundary."""
+    a = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    assert _spec._equal(memoryview(a), memoryview(a.copy()))
+    for pos in sorted({0, n - 1, n // 2, n - n % 8, 1 << 20} & set(range(n))):
+        b = a.copy()
+        b[pos] ^= 0x40
+        assert _spec._equal(memoryview(a), memoryview(b)) == (a.tobytes() == b.tobytes()) is False, pos
