@@ -371,8 +371,13 @@ class Engine:
 
     def _start_worker(self, wid: int) -> WorkerProcess:
         res = self._res
+        region = res.region
+        if res.released or region is None:
+            # The finalizer ran at interpreter exit while another thread iterates:
+            # nothing may start now (_next_batch turns this into a quiet exit).
+            raise RuntimeError(f"worker {wid} cannot start: the loader's resources were released")
         cell = res.busy.allocate() if res.busy is not None else -1
-        worker = start_worker(self.spec, wid, res.region, self.start_method, lambda: _drop_all_in_child(res),
+        worker = start_worker(self.spec, wid, region, self.start_method, lambda: _drop_all_in_child(res),
                               busy=res.busy.boot(cell) if res.busy is not None else None, transport=res.transport)
         if res.busy is not None:
             res.busy.own(cell, worker)
@@ -402,7 +407,15 @@ class Engine:
     def busy(self) -> bool:
         """Whether a run of this engine is still under way: neither exhausted, ended by
         an error, nor superseded (a new iterator of the face then needs workers of its
-        own, as each of torch's non-persistent iterators has)."""
+        own, as each of torch's non-persistent iterators has).
+
+        Raises
+        ------
+        RuntimeError
+            The engine is closed, or this is a forked child of the process that made
+            it (as :meth:`run`: asked just before a run is made).
+        """
+        self._check_usable()
         run = self._current()
         return run is not None and not run.done and not run.superseded
 

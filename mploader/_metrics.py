@@ -54,6 +54,7 @@ _MARKS = int(WINDOW_S / MARK_S) + 2
 #: One cell, two float64: busy (total seconds spent on tasks), start (``monotonic()``
 #: when the task in progress began; 0.0 when idle).  Each is one aligned 8-byte store.
 _CELL = struct.Struct("<dd")
+_SEQ = struct.Struct("<q")   # the cancel word (BusyCells.cancel_below)
 _START = struct.Struct("<d")
 #: After the cells, one histogram of batch times per cell: HIST_BUCKETS float64
 #: counts, bucket ``k`` for times ``d`` with ``frexp(d)[1] == k - HIST_SHIFT``
@@ -175,11 +176,16 @@ class BusyCells:
     ``retired[wid] + sum(cells owned by processes with that id)``, monotonic.
     When no cell is free (more than ``capacity`` processes alive, only with a tiny
     ``maxtasksperchild``), the new process is not measured (cell -1).
+
+    The mapping's last 8 bytes are the engine's *cancel word* (int64): tasks with a
+    lower seq belong to runs that were abandoned (a ``break``, a superseded
+    iterator), and a worker skips them unloaded (:meth:`cancel_below`,
+    :meth:`WorkerBusy.cancelled`; docs/design.md, "Faults").
     """
 
     def __init__(self, num_workers: int, passed_fd: bool = False) -> None:
         self.capacity = 2 * num_workers + 16
-        self.map_bytes = self.capacity * (_CELL.size + 8 * HIST_BUCKETS)
+        self.map_bytes = self.capacity * (_CELL.size + 8 * HIST_BUCKETS) + 8   # + the cancel word
         self.fd = -1
         if passed_fd:
             self.fd = _fds.off_stdio(os.memfd_create("mploader-busy", os.MFD_CLOEXEC))
@@ -212,6 +218,20 @@ class BusyCells:
     def own(self, cell: int, worker: Any) -> None:
         if cell >= 0:
             self.owners[cell] = worker
+
+    def cancel_below(self, seq: int) -> None:
+        """Workers skip every task with a seq below ``seq`` they have not started (the
+        word only grows).  A worker that read the word just before this store builds
+        its next task still: at most one batch per worker after the call."""
+        m = self.map
+        if m is None:
+            return
+        try:
+            off = self.map_bytes - 8
+            if _SEQ.unpack_from(m, off)[0] < seq:
+                _SEQ.pack_into(m, off, seq)   # one aligned 8-byte store; workers read it relaxed
+        except ValueError:   # close() unmapped it meanwhile (a run dropped from another thread)
+            pass
 
     def boot(self, cell: int) -> tuple | None:
         """What a worker needs to write its cell (None: not measured): ``(mapping,
@@ -322,7 +342,7 @@ class WorkerBusy:
     memoryview of the inherited mapping.  Continues the cell's total (a cell's
     writers follow one another)."""
 
-    __slots__ = ("cell", "busy", "start_t", "hist")
+    __slots__ = ("cell", "busy", "start_t", "hist", "cancel")
 
     def __init__(self, boot: tuple) -> None:
         if len(boot) == 3:  # spawned: map the passed memfd once
@@ -335,13 +355,18 @@ class WorkerBusy:
             mapping, cell = boot
         words = memoryview(mapping).cast("d")  # exported in the worker only
         self.cell = words[2 * cell:2 * cell + 2]
-        base = len(words) // (2 + HIST_BUCKETS) * 2 + cell * HIST_BUCKETS
+        self.cancel = memoryview(mapping).cast("q")[-1:]   # BusyCells.cancel_below's word
+        base = (len(words) - 1) // (2 + HIST_BUCKETS) * 2 + cell * HIST_BUCKETS
         self.hist = words[base:base + HIST_BUCKETS]
         self.busy = self.cell[0]
         self.start_t = 0.0
 
     def start(self) -> None:
         self.start_t = self.cell[1] = _now()
+
+    def cancelled(self, seq: int) -> bool:
+        """Whether task ``seq`` belongs to an abandoned run (:meth:`BusyCells.cancel_below`)."""
+        return seq < self.cancel[0]
 
     def stop(self) -> None:
         cell = self.cell

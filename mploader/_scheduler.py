@@ -13,6 +13,7 @@ waiting ``next()`` notices ``closing`` within one wait slice, POLL_S).
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import pickle
@@ -113,6 +114,7 @@ class Scheduler:
         # batches in flight are not yet stale, and each run's inflight deque.
         self.dropped: list[weakref.ref] = []
         self.runs: dict[weakref.ref, collections.deque] = {}
+        self.cancels: set[weakref.ref] = set()   # runs' second references (_cancel_dropped), some dead
         self.stats: collections.Counter = collections.Counter()
         self.meter = Meter()         # input-pipeline metrics (_metrics; Run.__next__ times the waits)
         # What the ring's FREE slots hold, and the memory budget's rules (_memory)
@@ -781,6 +783,16 @@ def _failure_exception(failure: Any) -> BaseException:
     return RuntimeError(f"a worker reported an unreadable failure record: {failure!r}")
 
 
+def _cancel_dropped(res: Any, inflight: collections.deque, ref: Any = None) -> None:
+    """A run was abandoned or dropped: the workers skip its tasks in flight that they
+    have not started (``BusyCells.cancel_below``; seqs grow, and a run abandoned has
+    dispatched nothing since a newer run began, so no live run's task is below the
+    word).  Also the callback of the run's second weak reference (``ref``)."""
+    busy = res.busy
+    if inflight and busy is not None:
+        busy.cancel_below(inflight[-1].seq + 1)   # (appended in seq order)
+
+
 class Run:
     """One pass over a task stream (an epoch).  ``next()`` returns the next batch in
     task order (or completion order with ``in_order=False``); an exception raised
@@ -822,6 +834,13 @@ class Run:
         # and the scheduler's next step takes them (_hot.abandon_runs).
         self._ref = weakref.ref(self, scheduler.dropped.append)
         scheduler.runs[self._ref] = self.inflight
+        # ... and tells the workers at once to skip its tasks they have not started
+        # (a second reference, held by the scheduler -- whose dead ones are pruned
+        # here -- and whose callback holds neither: only speeds things up).
+        cancels = scheduler.cancels
+        if cancels:
+            cancels.difference_update([r for r in cancels if r() is None])
+        cancels.add(weakref.ref(self, functools.partial(_cancel_dropped, scheduler.res, self.inflight)))
 
     def __iter__(self) -> Run:
         return self
@@ -859,8 +878,10 @@ class Run:
 
     def abandon(self) -> None:
         """Superseded (a newer run, stopped workers): the batches in flight become
-        stale.  Called under the engine's lock."""
+        stale, and the workers skip those they have not started.  Called under the
+        engine's lock."""
         self.superseded = True
         scheduler = self._engine._scheduler
+        _cancel_dropped(scheduler.res, self.inflight)
         scheduler.dropped.append(self._ref)
         _hot.abandon_runs(scheduler)

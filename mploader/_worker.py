@@ -233,14 +233,21 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
         if meter is not None:
             meter.start()  # busy from here to the batch's publication (docs/metrics.md)
         seq, slot, epoch, batch_index, indices = task
+        # A task of a run abandoned since it was sent (a ``break``, a superseded
+        # iterator: BusyCells.cancel_below) is published empty, never loaded; only the
+        # parent's reaper of stale batches takes it.
+        cancelled = meter is not None and meter.cancelled(seq)
         task_epoch = epoch
-        if reseed:
+        if reseed and not cancelled:
             seed_rngs(batch_seed(base_seed, epoch, batch_index))
         writer = SlotWriter(region, slot, seq) if slot >= 0 else None
         alloc = writer.alloc if writer is not None else np.empty
-        if init_failure is not None:
+        batch: Any
+        if cancelled:
+            batch, kind = None, _ring.KIND_SLOT
+        elif init_failure is not None:
             init_failure.seq, init_failure.indices = seq, indices
-            batch: Any = init_failure
+            batch = init_failure
             kind = _ring.KIND_ERROR
         else:
             try:
@@ -269,7 +276,7 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
                 failure = BatchFailure.capture(exc, seq, indices, wid,
                                                stage="serialising (the batch could not be serialised)")
                 _deliver(send, writer, seq, _ring.KIND_ERROR, failure)
-            if planner is not None:
+            if planner is not None and not cancelled:
                 planner.learn(writer)  # (forgets the batch unless it was published in the slot)
         if meter is not None:
             meter.stop()

@@ -6,7 +6,9 @@ runs the same case, torch 2.13's DataLoader is the reference.
 """
 from __future__ import annotations
 
+import multiprocessing
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from test_faults import run_case
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import mploader
+from mploader import _ring
 from mploader.torch import DataLoader as MplTorchDataLoader
 
 N, B = 40, 4   # samples, batch size: 10 batches an epoch
@@ -205,3 +208,55 @@ def test_daemon_thread_iterating_at_exit_exits_quietly(face):
     """)
     assert proc.stdout.splitlines()[-1] == "OK"
     assert proc.stderr == ""
+
+
+# ---- break: the abandoned iterator's work stops at once ----
+
+class Counted:
+    """Batch ``b`` (samples ``b*B .. b*B+B-1``) counts one build in shared memory when
+    its first sample is loaded; each sample takes a while, so tasks queue up."""
+
+    def __init__(self):
+        self.builds = multiprocessing.Array("q", N // B, lock=False)
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        if i % B == 0:
+            self.builds[i // B] += 1
+        time.sleep(0.005)   # (makes loading slow, so that tasks queue; synchronises nothing)
+        return np.full(3, i, np.int64)
+
+
+def wait_all_published(engine, deadline_s=30):
+    """Poll the ring until no slot is ASSIGNED (every task sent has been published,
+    built or skipped), against a deadline."""
+    region = engine.region
+    end = time.monotonic() + deadline_s
+    while any(region.state(s) == _ring.STATE_ASSIGNED for s in range(region.nslots)):
+        assert time.monotonic() < end, "the workers never finished the tasks they were sent"
+        time.sleep(0.01)   # polling shared state against a deadline, not synchronising
+
+
+@pytest.mark.parametrize("face", ["gluon", "torch"])
+def test_break_stops_the_abandoned_iterators_work(face):
+    """After ``break`` the workers build at most the batch each was loading (before:
+    every batch in flight, 8 here; torch's non-persistent iterator stops its workers
+    at once).  Counted in shared memory, not timed."""
+    ds = Counted()
+    workers = 2
+    if face == "gluon":
+        loader = mploader.DataLoader(ds, batch_size=B, num_workers=workers, prefetch=8)
+    else:
+        loader = MplTorchDataLoader(ds, batch_size=B, num_workers=workers, prefetch_factor=4)
+    with loader:
+        for k, _ in enumerate(loader):
+            if k == 2:
+                break
+        at_break = sum(ds.builds)
+        engine = loader._engine if face == "gluon" else loader._mpl_engine
+        wait_all_published(engine)
+        assert sum(ds.builds) - at_break <= workers, list(ds.builds)
+        assert len(engine.worker_pids()) == workers   # the workers stay, idle
+        assert firsts(loader) == list(range(0, N, B))   # and serve the next epoch
