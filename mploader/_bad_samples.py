@@ -35,7 +35,7 @@ from typing import Any
 from ._protocol import PIPE_HEADER
 
 __all__ = ["ON_ERROR", "KIND_REPORT", "MAX_SUBSTITUTES", "DEFAULT_MAX_BAD_FRACTION", "BadSampleBudgetError",
-           "Guard", "Ledger", "parse_state", "substitute_index", "Skipped"]
+           "Guard", "Ledger", "parse_state", "count_samples", "substitute_index", "Skipped"]
 
 _LOG = logging.getLogger("mploader")
 
@@ -164,10 +164,29 @@ class Guard:
             try:
                 return fetch(left)
             except Skipped as skip:
-                left = [i for i in left if i != skip.index]
-                if not left:
+                fewer = _without(left, skip.index)
+                if fewer == left:   # (not an index of this task: a dataset that indexes itself)
+                    raise RuntimeError(f"sample {skip.index} raised inside batch {self.batch_index}, which does not "
+                                       f"list it (sample indices {indices!r:.200}): on_error='skip' cannot leave it "
+                                       f"out") from skip.__cause__
+                left = fewer
+                if not any(left) if all(isinstance(x, list) for x in left) else not left:
                     raise RuntimeError(f"every sample of batch {self.batch_index} (sample indices {indices!r:.200}) "
                                        f"raised (on_error='skip')") from skip.__cause__
+
+
+def count_samples(indices: Any) -> int:
+    """Samples a task asks for: its indices, those of its shards, or 1 (a key)."""
+    if not isinstance(indices, list):
+        return 1
+    return sum(len(x) if isinstance(x, list) else 1 for x in indices)
+
+
+def _without(indices: list, index: int) -> list:
+    """``indices`` without ``index``, at the top level or inside shards (lists of
+    indices: GluonNLP's ShardedDataLoader)."""
+    return [(_without(x, index) if isinstance(x, list) else x) for x in indices
+            if isinstance(x, list) or x != index]
 
 
 class Ledger:

@@ -153,7 +153,7 @@ class Scheduler:
             self._await(task)
             if self.ledger is not None:   # its bad samples' reports came before it: settle them
                 self._pump(task.worker, 0)
-                self.ledger.settle(task.seq, task.epoch, len(task.indices) if isinstance(task.indices, list) else 1)
+                self.ledger.settle(task.seq, task.epoch, _bad_samples.count_samples(task.indices))
             self._consume(task, run)   # raises the worker's exception (batch consumed)
         except (WorkerError, TimeoutError, _bad_samples.BadSampleBudgetError):
             run.inflight.clear()

@@ -198,6 +198,27 @@ def test_skip_drops_the_sample_and_writes_the_log_file():
     """)
 
 
+def test_sharded_loader_skips_inside_shards_and_substitutes_keep_them_full():
+    """GluonNLP's ShardedDataLoader: a task is a list of shards; "skip" leaves the
+    sample out of its shard, "substitute" keeps every shard full; the budget counts
+    samples, not shards."""
+    broken_case("""
+        shards = [[[0, 1, 17], [9, 10]], [[3, 4], [2718, 7]]]
+        with mploader.ShardedDataLoader(Broken(), batch_sampler=shards, num_workers=2, seed=2,
+                                        on_error="skip") as dl:
+            got = [[s[:, 0].astype(int).tolist() for s in b] for b in dl]
+            assert got == [[[0, 1], [9, 10]], [[3, 4], [7]]], got
+            assert sorted(r["index"] for r in dl.stats()["bad_samples"]) == [17, 2718]
+        with mploader.ShardedDataLoader(Broken(), batch_sampler=shards, num_workers=2, seed=2,
+                                        on_error="substitute") as dl:
+            got = [[s[:, 0].astype(int).tolist() for s in b] for b in dl]
+            want = [[[expected_index(i, 2, 0) for i in shard] for shard in b] for b in shards]
+            assert got == want, (got, want)
+            assert dl._engine._scheduler.ledger.epoch_samples == {0: 9}   # samples, not shards
+        print("OK")
+    """)
+
+
 def test_the_budget_ends_the_run_with_a_clear_error():
     """max_bad_samples=2 with 4 bad samples in the epoch; max_bad_fraction=0.01 with
     5 % bad samples: BadSampleBudgetError naming the limit, the count and the last
