@@ -424,10 +424,12 @@ class Engine:
             self._check_usable()
             try:
                 self._scheduler.next_batch(run)
+                return
             except Exception as exc:
-                if self._res.released and not self._closing:
-                    _released_under(exc)
-                raise
+                if not self._res.released or self._closing:
+                    raise
+                failure = exc
+        _released_under(failure)   # outside the lock: an atexit close() must not wait for it
 
 
 def _released_under(exc: Exception) -> None:
