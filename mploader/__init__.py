@@ -12,6 +12,7 @@ from .dataloader import DataLoader
 from .distributed import DistributedBatchSampler
 from .iterators import MultiprocessIterator, OrderSampler, ShuffleOrderSampler
 from .sampler import BatchSampler, FilterSampler, IntervalSampler, RandomSampler, Sampler, SequentialSampler
+from .shared import SharedList
 from .sharded import ShardedDataLoader
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "OrderSampler",
     "ShuffleOrderSampler",
     "ShardedDataLoader",
+    "SharedList",
     "sampler",
     "batchify",
 ]

@@ -128,8 +128,29 @@ def diagnose(loader: Any) -> Diagnosis:
     """
     s = _stats_of(loader)
     d = _verdict(s)
-    notes = _long_run_notes(s)
+    notes = _long_run_notes(s) + _private_memory_note(s)
     return dataclasses.replace(d, message=d.message + notes) if notes else d
+
+
+#: Growth of the workers' private memory over the sampled epochs (at least 3 samples,
+#: never falling) from which :func:`diagnose` names copy-on-write: bytes, and a
+#: fraction of the first sample.
+PRIVATE_GROWTH_BYTES = 16 << 20
+PRIVATE_GROWTH_FRACTION = 0.10
+
+
+def _private_memory_note(s: Mapping[str, Any]) -> str:
+    """A hint when forked workers' private memory grows epoch over epoch ('' if not)."""
+    samples = list(s.get("worker_private_bytes") or [])
+    if len(samples) < 3 or any(b < a for a, b in zip(samples, samples[1:])):
+        return ""
+    grown = samples[-1] - samples[0]
+    if grown < max(PRIVATE_GROWTH_BYTES, PRIVATE_GROWTH_FRACTION * samples[0]):
+        return ""
+    return (f"; the workers' private memory grew from {samples[0] / 2**20:.0f} to {samples[-1] / 2**20:.0f} MiB "
+            f"over {len(samples)} epochs: reading the dataset's Python objects copies their pages into each "
+            "worker (copy-on-write of reference counts, pytorch issue 13246); keep them in an "
+            "mploader.SharedList or in NumPy arrays")
 
 
 def _long_run_notes(s: Mapping[str, Any]) -> str:

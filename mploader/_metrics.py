@@ -66,7 +66,8 @@ _HIST = struct.Struct(f"<{HIST_BUCKETS}d")
 
 #: The keys every face's ``stats()`` adds to the transport counters (docs/metrics.md).
 METRIC_KEYS = ("wait_s", "wall_s", "first_batch_s", "epoch_batches", "epoch_no_free_slot", "epoch_fallback_pipe",
-               "batches_per_s", "bytes_per_s", "worker_busy", "ready_batches", "held_slots", "seeding")
+               "batches_per_s", "bytes_per_s", "worker_busy", "ready_batches", "held_slots", "seeding",
+               "worker_private_bytes")
 
 
 #: The transport counters every face's ``stats()`` starts with (the engine's
@@ -94,9 +95,12 @@ class Meter:
     """
 
     __slots__ = ("wait", "first", "first_batch", "ticks", "end", "bytes", "base_counts", "tick_at", "marks",
-                 "busy", "busy_base", "busy_end", "report", "report_at", "report_every")
+                 "busy", "busy_base", "busy_end", "report", "report_at", "report_every", "epochs", "private")
 
     def __init__(self) -> None:
+        self.epochs = 0              # runs begun
+        # (run number, the workers' private bytes, their pids), sampled when stats are read, once per run
+        self.private: collections.deque = collections.deque(maxlen=8)
         self.bytes = 0               # slot bytes (``lease.nbytes``) or pipe message bytes delivered, all runs
         self.marks: collections.deque = collections.deque(maxlen=_MARKS)  # (t, batches, bytes)
         self.busy: BusyCells | None = None
@@ -107,6 +111,7 @@ class Meter:
 
     def begin_epoch(self) -> None:
         """A new run: ``wait``/``wall`` and the epoch counters restart at its first ``next()``."""
+        self.epochs += 1
         self.wait = 0.0              # seconds blocked in next() in this run
         self.first = 0.0             # when the run's first batch was requested
         self.first_batch = 0.0       # how long that first request took (known from the second tick)
@@ -420,7 +425,23 @@ def empty_stats() -> dict:
     how the generators are seeded and captured (:func:`mploader._rng_state.path`)."""
     return {"wait_s": 0.0, "wall_s": 0.0, "first_batch_s": 0.0, "epoch_batches": 0, "epoch_no_free_slot": 0,
             "epoch_fallback_pipe": 0, "batches_per_s": 0.0, "bytes_per_s": 0.0, "worker_busy": [],
-            "ready_batches": 0, "held_slots": 0, "seeding": _rng_state.path()}
+            "ready_batches": 0, "held_slots": 0, "seeding": _rng_state.path(), "worker_private_bytes": []}
+
+
+def private_bytes(pids: list[int]) -> int | None:
+    """The private memory (bytes: ``Private_Clean`` + ``Private_Dirty`` of
+    ``/proc/<pid>/smaps_rollup``) of the processes ``pids`` together, or None when it
+    cannot be read.  About 1-10 ms per process: read at most once per epoch."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith(("Private_Clean:", "Private_Dirty:")):
+                        total += int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+    return total
 
 
 def inline_stats(meter: Meter, counts: dict) -> dict:
@@ -458,6 +479,14 @@ def engine_stats(engine: Engine, meter: Meter) -> dict:
         out["worker_busy"] = [None if meter.busy is None else 0.0] * engine.num_workers
     out["batches_per_s"], out["bytes_per_s"] = meter.rates(end, counts.get("batches", 0))
     out["ready_batches"], out["held_slots"] = _occupancy(engine)
+    if first and engine.start_method == "fork" and (not meter.private or meter.private[-1][0] != meter.epochs):
+        pids = engine.worker_pids()
+        private = private_bytes(pids) if pids else None
+        if private is not None:
+            if meter.private and meter.private[-1][2] != pids:
+                meter.private.clear()   # other workers (restarted): their memory starts afresh
+            meter.private.append((meter.epochs, private, pids))
+    out["worker_private_bytes"] = [b for _, b, _ in meter.private]
     return out
 
 
