@@ -136,6 +136,7 @@ class _IterableState:
 
     def __init__(self) -> None:
         self.progress: _state.MapProgress | None = None
+        self.per_worker: list[int] | None = None   # batches received from each worker (the running epoch)
         self.pending: dict | None = None
         self.workers: tuple | None = None   # (WorkerStreams, _Dispatch) of the running iterator
 
@@ -262,6 +263,24 @@ def _check_worker_rng(saved: Any, num_workers: Any = None) -> None:
                                maximum=max(len(states) - 1, 0))
 
 
+def _check_worker_batches(saved: Any, num_workers: int) -> None:
+    """An IterableDataset state's ``worker_batches``: None (no workers, or a state
+    without them) or one count per worker.
+
+    Raises
+    ------
+    StateMismatchError
+        Not None nor a list of ``num_workers`` non-negative ints (the message names it).
+    """
+    if saved is None:
+        return
+    if not isinstance(saved, list) or len(saved) != num_workers:
+        raise _state.StateMismatchError(f"cannot load the state: worker_batches must be a list of {num_workers} "
+                                        f"counts (one per worker) or None, got {saved!r:.80}")
+    for w, count in enumerate(saved):
+        _state.check_field_int(f"worker_batches[{w}]", count)
+
+
 def _check_rng_json(st: Any, name: str) -> None:
     """One worker's RNG states (``_rng_state.to_json``), every value in its range.
 
@@ -297,16 +316,22 @@ def _check_rng_json(st: Any, name: str) -> None:
 class Position:
     """What one iterator reports to the checkpoint: ``pairs`` (``(batch_index,
     indices)`` to load), :meth:`received`, :meth:`finish`; ``skip`` (IterableDataset
-    resume: batch indices already received, rebuilt and dropped); ``current`` (the
-    batch index of the last pair taken)."""
+    resume without workers: batch indices already received, rebuilt and dropped);
+    ``current`` (the batch index of the last pair taken).  An IterableDataset with
+    workers counts the batches received from each worker instead (``per_worker``)
+    and drops the first ``skip_per_worker[w]`` batches worker ``w``'s replica builds
+    again (:meth:`from_worker`)."""
 
-    __slots__ = ("progress", "pairs", "skip", "current")
+    __slots__ = ("progress", "pairs", "skip", "current", "per_worker", "skip_per_worker")
 
-    def __init__(self, progress: _state.MapProgress, pairs: Iterator[tuple], skip: Container[int]) -> None:
+    def __init__(self, progress: _state.MapProgress, pairs: Iterator[tuple], skip: Container[int],
+                 per_worker: list[int] | None = None, skip_per_worker: list[int] | None = None) -> None:
         self.progress = progress
         self.pairs = pairs
         self.skip = skip
         self.current = -1
+        self.per_worker = per_worker
+        self.skip_per_worker = skip_per_worker
 
     def indices(self) -> Iterator[Any]:
         """The indices alone (for torch's single-process iterator), recording ``current``."""
@@ -316,6 +341,36 @@ class Position:
 
     def received(self, batch_index: int) -> None:
         self.progress.received(batch_index)
+
+    def from_worker(self, worker_id: int, batch_index: int) -> bool:
+        """Worker ``worker_id``'s batch ``batch_index`` (or its exception) arrived:
+        False when it is to be dropped unseen (an IterableDataset's resume: its
+        replica built it before the checkpoint and the user received it then).
+
+        A replica's batches are its own sequence whatever batch indices they get
+        (an exhausted replica uses up indices, ``in_order=False`` hands them out by
+        timing), so the position of an IterableDataset is what each worker
+        delivered, as torchdata's per-worker snapshots; with ``in_order=True`` the
+        round robin over the replicas then gives the uninterrupted run's order."""
+        per_worker = self.per_worker
+        if per_worker is None:
+            if batch_index in self.skip:
+                return False
+            self.progress.received(batch_index)
+            return True
+        per_worker[worker_id] += 1
+        self.progress.received(batch_index)
+        skip = self.skip_per_worker
+        if skip is not None and skip[worker_id] > 0:
+            skip[worker_id] -= 1
+            return False
+        return True
+
+    def exhausted(self, batch_index: int) -> None:
+        """An IterableDataset replica answered ``batch_index`` with its end (the index
+        is used up, no batch delivered)."""
+        if self.per_worker is not None:
+            self.progress.received(batch_index)
 
     def finish(self) -> None:
         self.progress.finished = True
@@ -334,10 +389,17 @@ def begin(loader: DataLoader, epoch: int, sampler_iter: Iterator, iterators_per_
         pending, ckpt.pending = ckpt.pending, None
         skip: Container[int] = frozenset()
         progress = _state.MapProgress(epoch, 0, set(), None, None, None)
+        num_workers = loader.num_workers
+        per_worker = [0] * num_workers if num_workers > 0 else None
+        skip_per_worker = None
         if pending is not None:
-            skip = range(pending["batches_consumed"])   # (a range: any count fits in memory)
+            if per_worker is not None:
+                skip_per_worker = list(pending.get("worker_batches") or per_worker)
+            else:
+                skip = range(pending["batches_consumed"])   # (a range: any count fits in memory)
         ckpt.progress = progress
-        return Position(progress, enumerate(sampler_iter), skip)
+        ckpt.per_worker = per_worker
+        return Position(progress, enumerate(sampler_iter), skip, per_worker, skip_per_worker)
     progress, tasks = ckpt.start_epoch(epoch, sampler_iter, iterators_per_epoch)
     return Position(progress, _tasks_to_pairs(tasks), frozenset())
 
@@ -354,13 +416,17 @@ def state_dict(loader: DataLoader) -> dict:
             return copy.deepcopy(ckpt.pending)
         progress = ckpt.progress
         mid_epoch = progress is not None and not progress.finished
+        worker_batches = [0] * loader.num_workers if loader.num_workers > 0 else None
         if progress is None or progress.finished:
             epoch, consumed = loader._mpl_epoch, 0
         else:
             epoch, consumed = progress.epoch, progress.consumed
+            if ckpt.per_worker is not None and len(ckpt.per_worker) == loader.num_workers:
+                worker_batches = list(ckpt.per_worker)
+                consumed = sum(worker_batches)
         return {"version": _state.VERSION, "kind": "iterable", "face": "torch",
                 "dataset_type": _state.type_name(loader.dataset), "num_workers": loader.num_workers,
-                "epoch": epoch, "batches_consumed": consumed, "seed": seed,
+                "epoch": epoch, "batches_consumed": consumed, "worker_batches": worker_batches, "seed": seed,
                 "worker_rng": _worker_rng(loader, ckpt, mid_epoch),
                 "base_seed_generator": _generator_state(loader, mid_epoch)}
     if ckpt.pending is not None:
@@ -390,6 +456,7 @@ def load_state_dict(loader: DataLoader, state: Any) -> None:
                 f"replica, so it resumes only with the same number of workers)")
         _state.check_field_int("epoch", state.get("epoch"), maximum=_state.INT64_MAX - 1)
         _state.check_field_int("batches_consumed", state.get("batches_consumed"))
+        _check_worker_batches(state.get("worker_batches"), loader.num_workers)
         _state.check_field_int("seed", state.get("seed"), maximum=None, none_ok=True)
         _check_worker_rng(state.get("worker_rng"), loader.num_workers)
         ckpt.pending = copy.deepcopy(dict(state))

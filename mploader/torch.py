@@ -540,20 +540,23 @@ class _RingIter(_BaseDataLoaderIter):
                     raise
                 if 0 <= wid < self._num_workers:
                     self._dispatch.num_tasks[wid] -= 1
-                    pos.received(self._dispatch.sent[wid].popleft())   # the exception used up its batch
+                    # the exception used up its batch (dropped: an IterableDataset's resume replayed it)
+                    delivered = pos.from_worker(wid, self._dispatch.sent[wid].popleft())
                     if self._mpl_streams is not None:
                         self._mpl_streams.received(wid, getattr(exc, "mploader_rng", None))
+                    if not delivered:
+                        continue
                 raise _as_torch_error(exc, cause) from cause
             batch_index = self._dispatch.sent[wid].popleft()   # a worker answers its tasks in order
             if rng is not None and self._mpl_streams is not None:
                 self._mpl_streams.after[wid] = rng   # the worker's RNGs after this batch (checkpoints)
             if kind == EXHAUSTED:
                 self._dispatch.active[wid] = False
+                pos.exhausted(batch_index)
                 continue
             self._dispatch.num_tasks[wid] -= 1
-            if batch_index in pos.skip:
+            if not pos.from_worker(wid, batch_index):
                 continue   # IterableDataset resume: received before the checkpoint
-            pos.received(batch_index)
             data = unpack(payload) if kind == PACKED else to_tensors(payload)
             if self._pin_memory and not self._pinned_region:
                 # No pinned region (copy=True, or an accelerator other than CUDA): pin as torch does.
