@@ -530,7 +530,12 @@ class MapState:
             raise StateMismatchError(f"cannot load the state: it lacks {', '.join(missing)}")
         check_same("dataset_length", state.get("dataset_length"), _length(self.dataset))
         check_same("batch_sampler_type", state.get("batch_sampler_type"), type_name(self.batch_sampler))
-        if "batch_size" in state:   # (states of mploader < 0.2 lack it)
+        if "batch_size" in state and state["batch_sampler_state"] is None:
+            # The position counts batches of this size (torch's BatchSampler keeps no
+            # state).  A batch sampler with a state of its own judges it itself:
+            # mploader's BatchSampler refuses another batch_size, a
+            # DistributedBatchSampler resumes with another world size (another
+            # per-rank batch_size).  (States of mploader < 0.2 lack the field.)
             check_same("batch_size", state["batch_size"], _batch_size(self.batch_sampler), "batch sampler")
         self._check_fields(state, seed_none_ok)
         # The batches a pass yields may depend on the batch sampler's state (Gluon's
