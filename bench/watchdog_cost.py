@@ -5,9 +5,10 @@ Run: ``PYTHONPATH=.:bench python bench/watchdog_cost.py overhead [--repeats R] [
 
 * ``overhead``: the transport suite's tiny workload (``mploader_bench.synthetic``
   "tiny": batches of 32 x ``(np.int64, float32 (16,))``, 2.3 kB, the pool not in the
-  cache), Gluon face, 2 workers, one epoch of ``--batches`` batches, with
-  ``stall_timeout=None`` and with the default ``"auto"`` in alternation (ABAB...);
-  the median batches/s of each with min-max, and the difference of the medians.
+  cache), Gluon face, 2 forked workers, one epoch of ``--batches`` batches, in
+  alternation: "before" (no watchdog, the workers without the batch-time histogram),
+  ``stall_timeout=None`` (the histogram only) and the default ``"auto"``; the median
+  batches/s of each with min-max, and the differences of the medians.
   The parent checks only while it waits (no per-batch work); the workers gain one
   ``frexp`` and one 8-byte store per batch (the batch-time histogram), timed alone
   on the last line (``WorkerBusy.stop``, ns per call).
@@ -48,17 +49,35 @@ def _epoch_rate(dataset: Any, batches: int, stall_timeout: Any) -> float:
         return n / (time.perf_counter() - t0)
 
 
+def _stop_without_histogram(self: Any) -> None:
+    """``WorkerBusy.stop`` as before issue 23 (no batch-time histogram)."""
+    cell = self.cell
+    self.busy += time.monotonic() - self.start_t
+    cell[0] = self.busy
+    cell[1] = 0.0
+
+
 def overhead(repeats: int, batches: int) -> None:
+    """Three configurations in alternation: "before" (no watchdog and the workers'
+    ``stop`` without the histogram, patched in before the workers fork), "None"
+    (stall_timeout=None: the histogram only) and "auto" (the default)."""
     dataset = make_dataset("tiny", "cold", processes=2)
-    rates: dict[str, list[float]] = {"None": [], "auto": []}
-    for k in range(2 * repeats):
-        name = ("None", "auto")[k % 2]
-        rates[name].append(_epoch_rate(dataset, batches, None if name == "None" else "auto"))
+    names = ("before", "None", "auto")
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    with_histogram = _metrics.WorkerBusy.stop
+    for k in range(len(names) * repeats):
+        name = names[k % len(names)]
+        _metrics.WorkerBusy.stop = _stop_without_histogram if name == "before" else with_histogram  # type: ignore[method-assign]
+        try:
+            rates[name].append(_epoch_rate(dataset, batches, "auto" if name == "auto" else None))
+        finally:
+            _metrics.WorkerBusy.stop = with_histogram  # type: ignore[method-assign]
     for name, xs in rates.items():
-        print(f"stall_timeout={name:5}: {statistics.median(xs):9,.0f} batches/s (min {min(xs):,.0f}, "
+        print(f"{name:6}: {statistics.median(xs):9,.0f} batches/s (min {min(xs):,.0f}, "
               f"max {max(xs):,.0f}, {repeats} epochs of {batches} batches)")
-    a, b = statistics.median(rates["None"]), statistics.median(rates["auto"])
-    print(f"difference of the medians: {(b - a) / a:+.2%}")
+    a = statistics.median(rates["before"])
+    for name in ("None", "auto"):
+        print(f"{name} against before, difference of the medians: {(statistics.median(rates[name]) - a) / a:+.2%}")
     cells = _metrics.BusyCells(1)
     worker = _metrics.WorkerBusy(cells.boot(0))
 
