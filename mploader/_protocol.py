@@ -19,7 +19,9 @@ per worker).
 Worker -> parent, on the same pipe, only what does not travel in a slot:
 
     PIPE header  <q seq> <I kind>, then the pickled batch (kind SLOT/PIPE) or
-                 :class:`~mploader._errors.BatchFailure` (kind ERROR)
+                 :class:`~mploader._errors.BatchFailure` (kind ERROR), or a bad
+                 sample's report record (kind 16, ``mploader._bad_samples.KIND_REPORT``:
+                 sent before the batch ``seq`` is published)
 
 A slot's own metadata (seq, kind, flags, used, descriptor range) lives in its
 header in shared memory (csrc/ring.h, ``mpl_slot_meta``).
