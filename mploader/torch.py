@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import IterableDataset, default_collate, default_convert, get_worker_info
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import _bad_samples, _diagnose, _engine, _metrics, _options, _pinning, _torch_state
+from . import _bad_samples, _diagnose, _engine, _hot, _metrics, _options, _pinning, _torch_state
 from ._torch_collate import to_tensors, unpack
 from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, PACKED, CapturingFetch, Fetch, WorkerInit
 
@@ -358,15 +358,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
         draws from torch's global RNG: a state taken between epochs is exact when
         nothing else draws from it between ``load_state_dict()`` and ``iter()``
         (pass ``generator=`` to be independent of it).  IterableDatasets: the epoch,
-        the batches received and ``num_workers``; resuming rebuilds the replicas and
-        drops the batches already received (as torchdata does for datasets without
-        ``state_dict``).
+        the batches received from each worker and ``num_workers``; resuming rebuilds
+        the replicas and drops the batches each one delivered before (as torchdata
+        does for datasets without ``state_dict``), with ``in_order=False`` too.
 
         Raises
         ------
         ValueError
-            An IterableDataset with ``in_order=False`` and workers (which worker builds
-            which batch depends on timing), or a sampler whose ``state_dict`` raises.
+            A sampler whose ``state_dict`` raises.
         """
         state = _torch_state.state_dict(self)
         if self.on_error != "raise":   # the bad samples' report and budget counts (README, "Long runs")
@@ -455,7 +454,12 @@ class _RingIter(_BaseDataLoaderIter):
         self._run: Any = None
         self._mpl_streams: _torch_state.WorkerStreams | None = None
         self._mpl_ended = False    # StopIteration was raised (again on every later next())
-        self._mpl_lock = threading.Lock()   # one next() at a time (threads sharing the iterator)
+        # One next() at a time (threads sharing the iterator), by _hot.serial_next:
+        # the lock is released in C, so no signal handler runs between the batch's
+        # leaving the run and the caller's having it (as the Gluon face's).
+        self._lock = threading.Lock()
+        self._gen = _Unlocked(weakref.ref(self))   # (weak: no iterator <-> body cycle)
+        self._progress = None
         self._reset(loader, first_iter=True)
 
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
@@ -503,18 +507,24 @@ class _RingIter(_BaseDataLoaderIter):
         self._run = engine.run(self._dispatch.tasks(self._epoch, self._mpl_pos.pairs, self._is_iterable),
                                in_order=self._in_order)
 
-    def __next__(self) -> Any:
+    #: ``_mpl_next`` with ``_lock`` held (threads sharing the iterator: each batch
+    #: once, in order), through ``_gen``; the lock is released in C.
+    __next__ = _hot.serial_next
+
+    def _ended(self, exc: BaseException) -> None:
+        """(``_hot.serial_next``'s hook for the run's exceptions: nothing to do here.)"""
+
+    def _mpl_next(self) -> Any:
         # torch's __next__ opens a record_function span around every batch, which costs
         # ~5 µs even when no profiler listens (a third of a tiny batch's parent CPU);
         # here the span is opened only while a profiler is enabled (docs/faces.md).
         # IterableDatasets and the first call after exhaustion keep torch's own path
         # (its length-mismatch warning, its _reset call).
-        with self._mpl_lock:   # threads sharing the iterator: each batch once, in order
-            if self._is_iterable or self._sampler_iter is None or _profiler_enabled():
-                return super().__next__()
-            data = self._next_data()
-            self._num_yielded += 1
-            return data
+        if self._is_iterable or self._sampler_iter is None or _profiler_enabled():
+            return super().__next__()
+        data = self._next_data()
+        self._num_yielded += 1
+        return data
 
     def _next_data(self) -> Any:
         pos = self._mpl_pos
@@ -562,6 +572,25 @@ class _RingIter(_BaseDataLoaderIter):
                 # No pinned region (copy=True, or an accelerator other than CUDA): pin as torch does.
                 data = torch.utils.data._utils.pin_memory.pin_memory(data, self._pin_memory_device)
             return data
+
+
+class _Unlocked:
+    """``_RingIter._gen``: an iterator whose ``__next__`` is the ring iterator's body
+    (``_hot.serial_next`` calls it with the iterator's lock held)."""
+
+    __slots__ = ("it",)
+
+    def __init__(self, it: weakref.ref) -> None:
+        self.it = it
+
+    def __iter__(self) -> _Unlocked:
+        return self
+
+    def __next__(self) -> Any:
+        it = self.it()
+        if it is None:
+            raise StopIteration
+        return it._mpl_next()
 
 
 def _auto_depth(loader: DataLoader) -> int | None:
