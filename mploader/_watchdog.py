@@ -141,6 +141,8 @@ class Watchdog:
             return
         starts = busy.starts()
         stuck = []
+        if len(self.watched) > len(sched.res.workers):   # workers gone since (stopped, replaced)
+            self.watched = {w: v for w, v in self.watched.items() if w in sched.res.workers}
         for w in sched.res.workers:
             start = starts.get(id(w), 0.0)
             if w.status is not None or not start:
