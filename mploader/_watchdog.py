@@ -15,7 +15,7 @@ What happens to a stuck worker (:meth:`Watchdog.check`):
    logged on the ``"mploader"`` logger at WARNING;
 2. it is SIGKILLed and a replacement with the same worker id is started;
 3. every task it had not finished is given again, with the same seq and slot, to
-   the replacement or another worker (``Scheduler._resend``): the loop sees the same
+   the replacement or another worker (``_hot.hand_over``, as ``Scheduler._resend`` does): the loop sees the same
    batches in the same order; with per-batch seeding they are bit-identical.
 
 A batch that is stuck again more than ``max_retries`` times raises
@@ -33,6 +33,7 @@ import os
 import signal
 from typing import TYPE_CHECKING, Any
 
+from . import _hot
 from ._executors import exited
 from ._protocol import frame_task
 from ._stacks import take_stack
@@ -189,7 +190,7 @@ class Watchdog:
                 f"(stall limit {self.limit_s:.1f} s, max_retries={self.max_retries}); the workers' stacks:\n{joined}",
                 task.seq, task.indices, list(stacks))
         # What it sent before it died counts as delivered; what it had not finished is
-        # given again, same seq and slot (Scheduler._resend), the replacement starts now.
+        # given again, same seq and slot, the replacement starts now.
         sched._pump(w, 0)
         items = []
         for t in list(w.outstanding):
@@ -199,7 +200,19 @@ class Watchdog:
         w.retiring = w.replaced = True      # never given a task again; its wid is free
         sched.res.workers.append(sched.engine._start_worker(w.wid))
         self.respawns += 1
+        # Handed over here, not through Scheduler._resend, which reaps the dead worker
+        # blocking: one in uninterruptible sleep (a hard-mounted NFS read) dies only
+        # when the kernel lets it, and the parent must not wait for that.
+        for t, frame in items:
+            src = t.source
+            target = sched._pick_worker(src[3] if len(src) > 3 else None)
+            if t in w.outstanding:
+                w.outstanding.remove(t)
+                w.done = 0
+            if target is None:   # (no live worker for it now: the next dispatch tries again)
+                sched.unsent.setdefault(w, []).append((t, frame))
+                continue
+            _hot.hand_over(sched, t, target, frame, [(t, frame)])
         if items:
-            sched.unsent.setdefault(w, []).extend(items)
             sched._send_pending()
         sched.replace_dead()   # gone once it owes nothing (the fast dispatch path counts workers)
