@@ -409,9 +409,6 @@ def state_dict(loader: DataLoader) -> dict:
     ckpt = _checkpoint(loader)
     seed = loader.seed
     if isinstance(ckpt, _IterableState):
-        if loader.num_workers > 0 and not loader.in_order:
-            raise ValueError("an IterableDataset loaded with in_order=False cannot be checkpointed: which worker "
-                             "builds which batch depends on timing, so the batches received cannot be rebuilt")
         if ckpt.pending is not None:
             return copy.deepcopy(ckpt.pending)
         progress = ckpt.progress
@@ -483,10 +480,11 @@ def load_state_dict(loader: DataLoader, state: Any) -> None:
 
 
 def check_snapshot_every(value: Any) -> int | None:
-    """torchdata's ``snapshot_every_n_steps``: accepted (a positive int or None) and
-    ignored -- the parent knows the position after every batch, so every step is a
-    snapshot and the value never changes which batches come out."""
-    return check_int("snapshot_every_n_steps", value, minimum=1, none_ok=True)
+    """torchdata's ``snapshot_every_n_steps``: accepted (a non-negative int or None;
+    torchdata 0.11 takes 0 as "no periodic snapshot") and ignored -- the parent knows
+    the position after every batch, so every step is a snapshot and the value never
+    changes which batches come out."""
+    return check_int("snapshot_every_n_steps", value, minimum=0, none_ok=True)
 
 
 def next_counted(pos: Position, load: Any) -> Any:

@@ -118,3 +118,203 @@ def test_iterable_dataset_with_workers_resumes_without_loss_or_repeat(dataset, n
         return cls(dataset(), num_workers=num_workers, collate_fn=identity, persistent_workers=persistent,
                    snapshot_every_n_steps=every)
     check_both(make, interrupt)
+
+
+# ---- in_order=False: an IterableDataset is checkpointable ----
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_iterable_dataset_in_order_false_resumes_the_batches_not_received(persistent):
+    """Which batch comes when depends on timing with ``in_order=False``: the resumed run
+    gives exactly the batches the interrupted run had not received, as torchdata's."""
+    def make(cls):   # (torchdata's fast-forward of a replica without state fails with in_order=False)
+        return cls(WithState(), num_workers=3, collate_fn=identity, persistent_workers=persistent, in_order=False)
+    expected = sorted(list(make(DataLoader)))
+    got = {}
+    for name, cls in LOADERS.items():
+        loader = make(cls)
+        it = iter(loader)
+        first = [next(it) for _ in range(10)]
+        state = json.loads(json.dumps(loader.state_dict())) if name == "mploader" else loader.state_dict()
+        del it
+        close(loader)
+        loader = make(cls)
+        loader.load_state_dict(state)
+        got[name] = sorted(first + list(loader))
+        close(loader)
+    # torchdata 0.11 saves and resumes it too, but may deliver a batch twice (seen: [5]
+    # twice, not persistent): only mploader is held to the uninterrupted run
+    assert got["mploader"] == expected
+
+
+# ---- a stateful sampler (its iterator counts what it yielded) ----
+
+class CountingIterator:
+    """torchdata's ``DummySamplerIterator``."""
+
+    def __init__(self, size):
+        self.size = size
+        self.i = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i >= self.size:
+            raise StopIteration
+        self.i += 1
+        return self.i - 1
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, state):
+        self.i = state["i"]
+
+
+class CountingSampler(torch.utils.data.Sampler):
+    """torchdata's ``DummySampler``: the state lives in the iterator it returns."""
+
+    def __init__(self, size):
+        self.size = size
+
+    def __iter__(self):
+        return CountingIterator(self.size)
+
+    def __len__(self):
+        return self.size
+
+
+class Items(torch.utils.data.Dataset):
+    """torchdata's ``DummyMapDataset`` (unshuffled): item ``i`` is ``{"id": i, ...}``."""
+
+    def __init__(self, size=100):
+        self.size = size
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        return {"id": i, "strcol": f"strcol_{i}", "listcol": [i, i + 1, i + 2]}
+
+
+@pytest.mark.parametrize("num_workers,batch_size,interrupt,as_json", [
+    (0, None, 1, False), (0, 7, 10, True), (3, None, 10, False), (3, 7, 1, True), (2, 7, 0, False)])
+def test_stateful_sampler_resumes_at_the_next_sample(num_workers, batch_size, interrupt, as_json):
+    def make(cls):
+        return cls(Items(), sampler=CountingSampler(100), batch_size=batch_size, num_workers=num_workers,
+                   collate_fn=identity)
+    check_both(make, interrupt, as_json=as_json)
+
+
+# ---- a state taken after iter() and before the first next() ----
+
+class Shuffled(torch.utils.data.Dataset):
+    """torchdata's ``DummyMapDataset(shuffle=True)``: each item draws its id from torch's
+    RNG, and the dataset's state is that RNG's."""
+
+    def __len__(self):
+        return 100
+
+    def __getitem__(self, i):
+        return {"id": torch.randint(100, (1,)).item()}
+
+    def state_dict(self):
+        return {"g": torch.get_rng_state().tolist()}
+
+    def load_state_dict(self, state):
+        torch.set_rng_state(torch.tensor(state["g"], dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("dataset", ["generators", "map_shuffle"])
+def test_state_before_the_first_next_resumes_the_whole_epoch(dataset, persistent):
+    """torchdata's TestSnapshotZero: ``it = iter(dl); state = dl.state_dict()``, the
+    epoch, then the state loaded into the same loader gives the same epoch again."""
+    def make(cls):
+        if dataset == "generators":
+            return cls(WithState(), num_workers=3, collate_fn=identity, persistent_workers=persistent,
+                       snapshot_every_n_steps=10)
+        return cls(Items(), shuffle=True, num_workers=3, collate_fn=identity, persistent_workers=persistent,
+                   snapshot_every_n_steps=10)
+    for name, cls in LOADERS.items():
+        loader = make(cls)
+        it = iter(loader)
+        state = loader.state_dict()
+        expected = list(it)
+        del it
+        loader.load_state_dict(state)
+        assert list(loader) == expected, name
+        close(loader)
+
+
+# ---- a state saved at the end of an epoch ----
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("dataset", ["generators", "map_shuffle", "map_generator"])
+def test_state_at_the_end_of_an_epoch_resumes_with_the_next_epoch(dataset, persistent):
+    """torchdata's TestSnapshotEnd: a state saved after an epoch's StopIteration,
+    loaded into a loader that has begun an epoch of its own, gives the next epoch."""
+    def make(cls, generator=None):
+        kw = dict(num_workers=3, collate_fn=identity, persistent_workers=persistent, batch_size=4)
+        if dataset == "generators":
+            return cls(WithState(), **kw)
+        if dataset == "map_shuffle":
+            return cls(Items(), shuffle=True, **kw)
+        return cls(Shuffled(), generator=generator, **kw)
+    for name, cls in reversed(LOADERS.items()):
+        g = torch.Generator().manual_seed(4)
+        loader = make(cls, g)
+        first = list(loader)
+        state = loader.state_dict()
+        expected = list(loader)
+        if dataset == "generators":
+            assert expected == first, name   # a plain restart gives the same epoch again
+        close(loader)
+        g.manual_seed(4)
+        loader = make(cls, g)
+        it = iter(loader)
+        next(it), next(it)
+        del it
+        loader.load_state_dict(state)
+        got = list(loader)
+        close(loader)
+        if name == "torchdata" and dataset == "map_generator" and not persistent:
+            continue   # torchdata 0.11 itself gives another epoch here (its workers' RNGs)
+        assert got == expected, name
+
+
+# ---- snapshot_every_n_steps=0 ----
+
+def test_snapshot_every_n_steps_zero_is_accepted():
+    """torchdata's TestFastStateDictRequest passes 0 (never snapshot on its own)."""
+    def make(cls):
+        return cls(NoState(), num_workers=3, collate_fn=identity, snapshot_every_n_steps=0)
+    check_both(make, 10)
+    with pytest.raises(ValueError, match="snapshot_every_n_steps must be a non-negative integer or None, got -1"):
+        DataLoader(NoState(), snapshot_every_n_steps=-1)
+
+
+# ---- a state through JSON ----
+
+@pytest.mark.parametrize("num_workers", [0, 3])
+def test_json_round_trip_resumes_after_an_epoch(num_workers):
+    """torchdata's TestJsonSerDe: one whole epoch, then 4 batches of the next, the
+    state through json.dumps/loads into a fresh loader."""
+    def make(cls):
+        return cls(NoState(), num_workers=num_workers, collate_fn=identity)
+    for name, cls in LOADERS.items():
+        if name == "torchdata" and num_workers == 0:
+            continue   # (its state holds no tensor here either, but keep the case short)
+        loader = make(cls)
+        list(loader)
+        it = iter(loader)
+        for _ in range(4):
+            next(it)
+        state = json.loads(json.dumps(loader.state_dict()))
+        expected = list(it)
+        del it
+        close(loader)
+        loader = make(cls)
+        loader.load_state_dict(state)
+        assert list(loader) == expected, (name, len(expected))
+        close(loader)
