@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _diagnose, _engine, _metrics, _state
+from . import _diagnose, _engine, _hot, _metrics, _state
 from ._chainer_inline import InlineLoader, InlineRun, fetch_examples
 from ._chainer_state import OrderSampler, ShuffleOrderSampler, State, plan
 from ._errors import is_batch_error, warn_at_caller
@@ -53,6 +53,25 @@ def _warn_stalled(waited_s: float) -> None:
 
 def _on_slow(seq: int, waited_s: float) -> None:
     _warn_stalled(waited_s)
+
+
+class _Unlocked:
+    """``MultiprocessIterator._gen``: an iterator whose ``__next__`` is the iterator's
+    body (``_hot.serial_next`` calls it with the iterator's lock held)."""
+
+    __slots__ = ("it",)
+
+    def __init__(self, it: weakref.ref) -> None:
+        self.it = it
+
+    def __iter__(self) -> _Unlocked:
+        return self
+
+    def __next__(self) -> list:
+        it = self.it()
+        if it is None:
+            raise StopIteration
+        return it._mpl_next()
 
 
 class _Run:
@@ -230,7 +249,12 @@ class MultiprocessIterator:
         self.dataset_timeout = options.slow_after_s
         self.maxtasksperchild = options.maxtasksperchild
         self._seed = options.base_seed
+        self._engine_lock = threading.Lock()   # making and closing the engine
+        # One next() at a time (threads sharing the iterator: each batch once, in
+        # order), by _hot.serial_next: _mpl_next with _lock held, released in C.
         self._lock = threading.Lock()
+        self._gen = _Unlocked(weakref.ref(self))   # (weak: no iterator <-> body cycle)
+        self._progress = None
         self._engine: _engine.Engine | None = None
         self._inline_loader: InlineLoader | None = None
         self._run: _Run | None = None
@@ -322,7 +346,7 @@ class MultiprocessIterator:
                 loader = self._inline_loader
             batches: Any = InlineRun(self.dataset, tasks, self._seed, self.dataset_timeout, loader, _warn_stalled)
         else:
-            with self._lock:
+            with self._engine_lock:
                 if self._finalized:
                     raise RuntimeError("this MultiprocessIterator was finalized")
                 if self._engine is None:
@@ -338,8 +362,15 @@ class MultiprocessIterator:
         self._run = _Run(batches, states, failure)
         return self._run
 
-    def __next__(self) -> list:
-        """Return the next batch (a list of ``batch_size`` examples, fewer at the end
+    #: :meth:`_mpl_next` with the iterator's lock held (threads sharing the iterator
+    #: get each batch once, in order); the lock is released in C.
+    __next__ = _hot.serial_next
+
+    def _ended(self, exc: BaseException) -> None:
+        """(``_hot.serial_next``'s hook for the run's exceptions: nothing to do here.)"""
+
+    def _mpl_next(self) -> list:
+        """``next(iterator)``: return the next batch (a list of ``batch_size`` examples, fewer at the end
         of a non-repeating epoch).
 
         Raises
@@ -381,7 +412,7 @@ class MultiprocessIterator:
         self._previous_epoch_detail = self.epoch_detail
         self._state = state
 
-    next = __next__
+    next = _hot.serial_next
 
     def __iter__(self) -> MultiprocessIterator:
         return self
@@ -424,7 +455,7 @@ class MultiprocessIterator:
         """Stop the workers.  Idempotent; safe to call from another thread, where a
         waiting ``next()`` then raises ``RuntimeError``.  Batches already returned
         stay valid."""
-        with self._lock:
+        with self._engine_lock:
             if self._finalized:
                 return
             self._finalized = True
@@ -540,7 +571,7 @@ class MultiprocessIterator:
         if seed != self._seed:
             self._seed = seed
             self._options = dataclasses.replace(self._options, seed=seed)
-            with self._lock:
+            with self._engine_lock:
                 if self._engine is not None:
                     self._engine.set_seed(seed)
             self._drop_run()

@@ -260,3 +260,32 @@ def test_break_stops_the_abandoned_iterators_work(face):
         assert sum(ds.builds) - at_break <= workers, list(ds.builds)
         assert len(engine.worker_pids()) == workers   # the workers stay, idle
         assert firsts(loader) == list(range(0, N, B))   # and serve the next epoch
+
+
+def test_two_threads_sharing_a_chainer_iterator_get_every_batch_once_in_order():
+    n = 400
+    it = mploader.MultiprocessIterator(np.arange(n), 2, repeat=False, shuffle=False, n_processes=2)
+    got: dict[int, list] = {0: [], 1: []}
+    errors = []
+    start = threading.Barrier(2)
+
+    def take(k):
+        start.wait()
+        try:
+            for batch in it:
+                got[k].append(int(batch[0]))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=take, args=(k,)) for k in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+    finally:
+        it.finalize()
+    assert errors == []
+    assert sorted(got[0] + got[1]) == list(range(0, n, 2))   # every batch exactly once
+    assert got[0] == sorted(got[0]) and got[1] == sorted(got[1])   # each thread's in order
