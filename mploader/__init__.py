@@ -12,8 +12,8 @@ from .dataloader import DataLoader
 from .distributed import DistributedBatchSampler
 from .iterators import MultiprocessIterator, OrderSampler, ShuffleOrderSampler
 from .sampler import BatchSampler, FilterSampler, IntervalSampler, RandomSampler, Sampler, SequentialSampler
-from .shared import SharedList
 from .sharded import ShardedDataLoader
+from .shared import SharedList
 
 __all__ = [
     "DataLoader",
