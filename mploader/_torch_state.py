@@ -63,11 +63,25 @@ class _GeneratorRNG:
 
 
 class _GlobalRNG:
-    """torch's global CPU generator (what ``RandomSampler(generator=None)`` draws from)."""
+    """torch's global CPU generator (what ``RandomSampler(generator=None)`` draws from).
+
+    ``before_iter``: when a mid-epoch state is resumed, the generator's state as the
+    resumed iterator started, before it drew its base seed.  ``MapState`` reads the
+    state to put back after the sampler's first pull with :meth:`get`, which then
+    returns this one (once): the draws of the resumed epoch's ``iter()`` were made
+    before the checkpoint in the uninterrupted run, so a trainer that restores the
+    global RNG with the checkpoint (Lightning) sees the later epochs' seeds drawn
+    from where the uninterrupted run drew them."""
 
     shared = True   # the training loop draws from it too
 
+    def __init__(self) -> None:
+        self.before_iter: list | None = None
+
     def get(self) -> list:
+        before, self.before_iter = self.before_iter, None
+        if before is not None:
+            return before
         return torch.random.get_rng_state().tolist()
 
     def set(self, state: list) -> None:
@@ -168,6 +182,12 @@ def iterator_starting(loader: DataLoader) -> None:
     restores (the resumed iterator then draws the same base seed)."""
     generator = _base_seed_generator(loader)
     loader.__dict__["_mpl_gen_at_iter"] = generator.get_state().tolist() if generator is not None else None
+    ckpt = loader.__dict__.get("_mpl_ckpt")
+    rng = getattr(ckpt, "rng", None)
+    if isinstance(rng, _GlobalRNG):
+        pending = ckpt.pending
+        resuming = isinstance(pending, dict) and pending.get("rng_at") == "first_pull"
+        rng.before_iter = torch.random.get_rng_state().tolist() if resuming else None
 
 
 def _generator_state(loader: DataLoader, mid_epoch: bool) -> list | None:

@@ -318,3 +318,37 @@ def test_json_round_trip_resumes_after_an_epoch(num_workers):
         loader.load_state_dict(state)
         assert list(loader) == expected, (name, len(expected))
         close(loader)
+
+
+# ---- shuffle=True without a generator: the epochs after the resumed one ----
+
+@pytest.mark.parametrize("num_workers,persistent", [(0, False), (2, False), (2, True)])
+def test_default_shuffle_epochs_after_the_resumed_one_keep_their_order(num_workers, persistent):
+    """A trainer (Lightning) saves torch's global RNG with the loader's state and sets it
+    back on resume; ``RandomSampler(generator=None)`` draws each epoch's seed from that
+    RNG.  The resumed epoch's ``iter()`` must not move it, so the later epochs come out
+    as in the uninterrupted run (torchdata's own RandomSampler keeps one generator)."""
+    def make(cls):
+        return cls(Items(20), shuffle=True, batch_size=3, num_workers=num_workers, collate_fn=identity,
+                   persistent_workers=persistent)
+
+    def ids(batches):
+        return [[x["id"] for x in b] for b in batches]
+    for name, cls in LOADERS.items():
+        torch.manual_seed(0)
+        loader = make(cls)
+        it = iter(loader)
+        first = [next(it) for _ in range(2)]
+        state, rng = loader.state_dict(), torch.get_rng_state()
+        if name == "mploader":
+            state = json.loads(json.dumps(state))
+        expected = ids(list(it) + list(loader) + list(loader))
+        del it
+        close(loader)
+        torch.manual_seed(1)   # another process
+        loader = make(cls)
+        loader.load_state_dict(state)
+        torch.set_rng_state(rng)   # the trainer's own RNG restore
+        got = ids(list(loader) + list(loader) + list(loader))
+        close(loader)
+        assert len(first) == 2 and got == expected, name
