@@ -182,7 +182,7 @@ def iterator_starting(loader: DataLoader) -> None:
     restores (the resumed iterator then draws the same base seed)."""
     generator = _base_seed_generator(loader)
     loader.__dict__["_mpl_gen_at_iter"] = generator.get_state().tolist() if generator is not None else None
-    ckpt = loader.__dict__.get("_mpl_ckpt")
+    ckpt: Any = loader.__dict__.get("_mpl_ckpt")
     rng = getattr(ckpt, "rng", None)
     if isinstance(rng, _GlobalRNG):
         pending = ckpt.pending
