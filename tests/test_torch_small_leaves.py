@@ -54,7 +54,7 @@ def test_kept_labels_do_not_keep_their_batches(no_leaks):
         stats = loader.stats()
         assert stats["slot"] == 12 and stats["fallback_pipe"] == 0
         assert stats["held_slots"] == 1                        # only the last batch's images
-        del images
+        del images, batch_images
         assert loader.stats()["held_slots"] == 0
     assert [y.tolist() for y in labels] == [y.tolist() for _, y in want]
 
