@@ -450,6 +450,7 @@ def state_dict(loader: DataLoader) -> dict:
         return ckpt.state(loader._mpl_epoch, seed)
     mid_epoch = ckpt.progress is not None and not ckpt.progress.finished
     state = ckpt.state(loader._mpl_epoch, seed, {"num_workers": loader.num_workers,
+                                                 "sampler_type": _state.type_name(loader.sampler),
                                                  "worker_rng": _worker_rng(loader, ckpt, mid_epoch),
                                                  "base_seed_generator": _generator_state(loader, mid_epoch)})
     if not mid_epoch and loader.__dict__.get("_iterator") is not None and state["rng_at"] == "epoch_start":
@@ -480,6 +481,11 @@ def load_state_dict(loader: DataLoader, state: Any) -> None:
         ckpt.progress = None
         loaded = ckpt.pending
     else:
+        if isinstance(state, dict) and state.get("sampler_type") is not None:
+            # The batch sampler's type is checked by MapState; the sampler it draws
+            # from decides the order too (a RandomSampler's state loaded into a loader
+            # with a SequentialSampler resumed the sequential order; torchdata asserts).
+            _state.check_same("sampler_type", state.get("sampler_type"), _state.type_name(loader.sampler))
         if isinstance(state, dict):
             saved_workers = state.get("num_workers")
             _check_worker_rng(state.get("worker_rng"), saved_workers if isinstance(saved_workers, int) else None)

@@ -320,6 +320,39 @@ def test_json_round_trip_resumes_after_an_epoch(num_workers):
         close(loader)
 
 
+# ---- an incompatible state is refused ----
+
+@pytest.mark.parametrize("when", ["initial", "mid-epoch"])
+@pytest.mark.parametrize("saved", ["shuffle", "counting"])
+def test_a_state_of_another_sampler_is_refused(saved, when):
+    """A state saved with another sampler (a RandomSampler's, a stateful sampler's)
+    does not describe this loader's order: torchdata refuses it when the next epoch
+    starts (an assertion); mploader refuses it in ``load_state_dict`` with a
+    ValueError naming both sampler types (before: it resumed the sequential order at
+    the saved count, silently)."""
+    def make(cls, sampler):
+        kw = {"shuffle": True} if sampler == "shuffle" else {"sampler": CountingSampler(20)} if sampler else {}
+        return cls(Items(20), batch_size=4, num_workers=0, collate_fn=identity, **kw)
+    for name, cls in LOADERS.items():
+        loader = make(cls, saved)
+        if when == "mid-epoch":
+            it = iter(loader)
+            next(it)
+            del it
+        state = loader.state_dict()
+        other = make(cls, None)
+        if name == "torchdata":
+            with pytest.raises(AssertionError):
+                other.load_state_dict(state)
+                list(other)
+        else:
+            expected = "RandomSampler" if saved == "shuffle" else "CountingSampler"
+            with pytest.raises(ValueError, match=f"sampler_type.*{expected}.*SequentialSampler"):
+                other.load_state_dict(state)
+            assert [b[0]["id"] for b in other] == [0, 4, 8, 12, 16]   # the loader is left as it was
+        close(other)
+
+
 # ---- shuffle=True without a generator: the epochs after the resumed one ----
 
 @pytest.mark.parametrize("num_workers,persistent", [(0, False), (2, False), (2, True)])
