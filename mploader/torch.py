@@ -463,7 +463,10 @@ class _RingIter(_BaseDataLoaderIter):
         self._reset(loader, first_iter=True)
 
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
+        if not first_iter:
+            self._drain_abandoned(loader)
         super()._reset(loader, first_iter)
+        self._mpl_taken = 0        # results taken from the run this epoch (batches, exceptions, ends)
         engine = self._engine
         pinned = loader._mpl_pinned
         resume = _torch_state.worker_resume(loader)   # a checkpoint's workers (torch's seeding)
@@ -507,6 +510,32 @@ class _RingIter(_BaseDataLoaderIter):
         self._run = engine.run(self._dispatch.tasks(self._epoch, self._mpl_pos.pairs, self._is_iterable),
                                in_order=self._in_order)
 
+    def _drain_abandoned(self, loader: DataLoader) -> None:
+        """A new epoch of persistent workers with torch's seeding while the previous
+        one was left early (``break``): as torch's ``_reset``, let the workers build
+        the batches torch would have sent -- ``prefetch_factor * num_workers`` beyond
+        the results taken -- and drop them, keeping the RNG states they carry, so
+        that every worker's random stream goes on as torch's (superseding the run
+        would cancel them).  Nothing to do for a finished epoch or a new engine."""
+        run, engine, streams = self._run, self._engine, self._mpl_streams
+        if (run is None or self._mpl_ended or streams is None or not self._persistent_workers
+                or engine is None or engine.closed or _torch_state.worker_resume(loader) is not None):
+            return
+        self._dispatch.limit = self._prefetch_factor * self._num_workers + self._mpl_taken
+        while True:
+            try:
+                wid, _, _, rng = next(run)
+            except StopIteration:
+                break
+            except Exception as exc:   # a batch that raised: dropped as the others
+                wid = getattr(exc.__cause__, "worker_id", None)
+                if wid is None:
+                    raise
+                rng = getattr(exc, "mploader_rng", None)
+            if rng is not None:
+                streams.received(wid, rng)
+        self._mpl_ended = True
+
     #: ``_mpl_next`` with ``_lock`` held (threads sharing the iterator: each batch
     #: once, in order), through ``_gen``; the lock is released in C.
     __next__ = _hot.serial_next
@@ -533,6 +562,7 @@ class _RingIter(_BaseDataLoaderIter):
                 raise StopIteration   # exhausted: again, as torch's (its workers may serve a newer iterator)
             try:
                 wid, payload, kind, rng = next(self._run)
+                self._mpl_taken += 1   # torch sends one more index per result (see _drain_abandoned)
             except StopIteration:
                 self._mpl_ended = True
                 pos.finish()
@@ -548,6 +578,7 @@ class _RingIter(_BaseDataLoaderIter):
                 wid = getattr(cause, "worker_id", None)
                 if wid is None:
                     raise
+                self._mpl_taken += 1
                 if 0 <= wid < self._num_workers:
                     self._dispatch.num_tasks[wid] -= 1
                     # the exception used up its batch (dropped: an IterableDataset's resume replayed it)
@@ -597,9 +628,12 @@ def _auto_depth(loader: DataLoader) -> int | None:
     """With torch's default ``prefetch_factor`` (None: 2), a map-style loader in order
     keeps up to AUTO_PREFETCH_PER_WORKER batches per worker in flight while batches
     are small (docs/design.md, "Batches in flight"); None otherwise (an explicit
-    ``prefetch_factor``, ``in_order=False``, an IterableDataset: torch's count)."""
+    ``prefetch_factor``, ``in_order=False``, an IterableDataset, persistent workers
+    with torch's seeding: torch's count).  Persistent workers build every batch in
+    flight when an epoch is left early (:meth:`_RingIter._drain_abandoned`), so
+    their random streams follow torch's only with torch's count in flight."""
     if not loader._mpl_auto_prefetch or not loader.in_order or isinstance(loader.dataset, IterableDataset) \
-            or loader.num_workers <= 0:
+            or loader.num_workers <= 0 or (loader.persistent_workers and loader.seed is None):
         return None
     return max(loader.prefetch_factor * loader.num_workers,
                min(_options.AUTO_PREFETCH_PER_WORKER * loader.num_workers, _options.MAX_PREFETCH))
@@ -621,6 +655,8 @@ class _Dispatch:
         self.sent: list[collections.deque] = [collections.deque() for _ in range(num_workers)]  # batch indices
         self.cycle = 0
         self.preassigned: dict[int, int] = {}   # batch index -> worker, from a checkpoint
+        self.limit: int | None = None   # tasks to yield at most (an epoch left early: torch's window)
+        self.yielded = 0
 
     def resume(self, assigned: list, next_worker: int) -> None:
         """A checkpoint's round robin: the batches that were in flight (``[batch_index,
@@ -644,6 +680,8 @@ class _Dispatch:
         IterableDataset ``indices`` is ``("iter", epoch, batch size or None)``."""
         preassigned = self.preassigned
         for send_idx, index in pairs:
+            if self.limit is not None and self.yielded >= self.limit:
+                return
             worker = preassigned.pop(send_idx, None) if preassigned else self._pick()
             if worker is None:
                 worker = self._pick()
@@ -655,6 +693,7 @@ class _Dispatch:
                 index = ("iter", epoch, None if index is None else len(index))
             self.num_tasks[worker] += 1
             self.sent[worker].append(send_idx)
+            self.yielded += 1
             yield (epoch, send_idx, index, worker)
 
 

@@ -108,20 +108,22 @@ def test_the_queue_shrinks_back_when_batches_grow():
     assert len(rest) == 20
 
 
-@pytest.mark.parametrize("kw, depth", [({}, None), ({"prefetch_factor": 2}, 4), ({"in_order": False}, 4)])
+@pytest.mark.parametrize("kw, depth", [({}, None), ({"prefetch_factor": 2}, 4), ({"in_order": False}, 4),
+                                       ({"persistent_workers": True}, 4)])
 def test_torch_face_default_prefetch_factor_rises_for_small_batches(kw, depth):
     """mploader.torch: with prefetch_factor left to torch's default (2), small batches
     get up to AUTO_PREFETCH_PER_WORKER per worker in flight, as many as fit
     SMALL_BATCHES_BYTES (a batch's bytes include the worker's RNG states under torch's
-    seeding); an explicit prefetch_factor, and in_order=False (torch's per-worker task
-    cap), keep torch's count (docs/faces.md)."""
+    seeding); an explicit prefetch_factor, in_order=False (torch's per-worker task
+    cap) and persistent workers under torch's seeding (their RNG streams after a
+    ``break`` depend on what was in flight: issue 22) keep torch's count (docs/faces.md)."""
     pytest.importorskip("torch")
     import mploader.torch
 
     n_batches = 12 * _options.AUTO_PREFETCH_PER_WORKER
     sampler = CountingBatches(n_batches, 8)
-    with mploader.torch.DataLoader(Rows(8 * n_batches, 16), batch_sampler=sampler, num_workers=2,
-                                   persistent_workers=True, **kw) as dl:
+    kw = {"persistent_workers": False, **kw}
+    with mploader.torch.DataLoader(Rows(8 * n_batches, 16), batch_sampler=sampler, num_workers=2, **kw) as dl:
         ahead, firsts = ahead_after(dl, sampler, 8 * _options.AUTO_PREFETCH_PER_WORKER)
         meter = dl._mpl_engine._scheduler.meter
         batch_bytes = meter.bytes / dl.stats()["batches"]
@@ -150,7 +152,8 @@ def test_large_batches_use_only_the_slots_they_need(torch_face):
         pytest.importorskip("torch")
         from mploader.torch import DataLoader as TorchDataLoader
 
-        dl = TorchDataLoader(ds, batch_sampler=sampler, num_workers=2, persistent_workers=True)
+        # (not persistent: persistent workers under torch's seeding keep torch's count, 7 slots)
+        dl = TorchDataLoader(ds, batch_sampler=sampler, num_workers=2, persistent_workers=False)
     else:
         dl = mploader.DataLoader(ds, batch_sampler=sampler, num_workers=2)
     with dl:

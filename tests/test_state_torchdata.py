@@ -399,17 +399,15 @@ class Draws(torch.utils.data.Dataset):
         return torch.rand(1)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 22 s.1, open: the scheduler cancels an abandoned run's tasks in "
-                   "flight (f75cac9, issue 26), so persistent workers draw 2 fewer times each than torch's")
-@pytest.mark.parametrize("left_after", [1, 3])
-def test_persistent_workers_after_a_break_draw_as_torchs(left_after):
+@pytest.mark.parametrize("num_workers,prefetch_factor,left_after", [(2, None, 1), (2, None, 3), (3, 3, 2)])
+def test_persistent_workers_after_a_break_draw_as_torchs(num_workers, prefetch_factor, left_after):
     """torch's persistent workers build the batches in flight when an epoch is left
     (``break``, Lightning's ``limit_train_batches``) and their RNGs move on: from the
     second epoch on every worker's random stream is torch's."""
     out = {}
     for name, cls in (("torch", torch.utils.data.DataLoader), ("mploader", DataLoader)):
-        loader = cls(Draws(), batch_size=1, num_workers=2, persistent_workers=True,
-                     generator=torch.Generator().manual_seed(7))
+        loader = cls(Draws(), batch_size=1, num_workers=num_workers, persistent_workers=True,
+                     prefetch_factor=prefetch_factor, generator=torch.Generator().manual_seed(7))
         epochs = []
         for _ in range(3):
             batches = []
