@@ -18,8 +18,9 @@ to that:
   again (the loop dropped the batch) the parent gives its pages back
   (``Region.trim``), at the next ``next()``.
 * **Over the budget, FREE slots give their memory back**, the largest first, until
-  the process's rings are under it: when a batch grew a slot, and when an epoch
-  ends.  Idle rings give first: a ring whose loader is not inside ``next()`` in any
+  the process's rings are under it, when a batch grew a slot; and a ring whose epoch
+  ends while the rings hold more than half the budget gives back all of its FREE
+  slots' memory.  Idle rings give first: a ring whose loader is not inside ``next()`` in any
   thread (its engine lock is free: taken without waiting, so no FREE slot of it can
   be dispatched meanwhile), then the ring that grew -- an idle validation loader
   keeps no memory while training runs.
@@ -281,6 +282,16 @@ class RingMemory:
                 self.held -= cap
                 freed += cap
         return freed
+
+    def trim_at_epoch_end(self, budget: int) -> int:
+        """The ring's epoch ended: when the process's rings hold more than half the
+        budget, it gives back all its FREE slots' memory, so that the loader that runs
+        next (validation after training) finds room before it dispatches -- the
+        parent learns a slot's size only when its batch comes back, too late to make
+        room for the batches a new epoch starts with.  Returns bytes given back."""
+        if held_bytes_total() <= budget // 2:
+            return 0
+        return self._trim(self.held)
 
     def trim_to_budget(self, budget: int) -> int:
         """While the process's rings hold more than ``budget``: trim idle rings, then

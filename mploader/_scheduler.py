@@ -146,8 +146,8 @@ class Scheduler:
                 if run.source_error is not None:
                     self._source_failed(run)
                 if self.memory.held:
-                    # the epoch is over: over the budget, this idle ring keeps nothing
-                    self.memory.trim_to_budget(_memory.budget_bytes())
+                    # the epoch is over: this ring is idle until its next one
+                    self.memory.trim_at_epoch_end(_memory.budget_bytes())
                 raise StopIteration
             task = inflight[0] if run.in_order else self._first_ready(run)
             self._await(task)

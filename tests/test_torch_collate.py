@@ -138,7 +138,11 @@ def test_collate_into_raises_as_default_collate(name):
     with pytest.raises(Exception) as mine:
         collate_into(batch, RecordingAlloc())
     assert type(mine.value) is type(theirs.value)
-    assert str(mine.value) == str(theirs.value)
+    if name == "requires_grad tensors":
+        # deliberately another message (issue 26: say why and what to do; docs/faces.md)
+        assert "requires_grad=True" in str(mine.value) and "detach()" in str(mine.value)
+    else:
+        assert str(mine.value) == str(theirs.value)
 
 
 @pytest.mark.parametrize("name", ["tensor rows (views of a larger storage)", "non-contiguous tensor views",
