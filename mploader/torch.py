@@ -530,6 +530,8 @@ class _RingIter(_BaseDataLoaderIter):
             except Exception as exc:   # a batch that raised: dropped as the others
                 wid = getattr(exc.__cause__, "worker_id", None)
                 if wid is None:
+                    if run.source_error is not None:   # the sampler raised (an interrupt): the pass ends
+                        break
                     raise
                 rng = getattr(exc, "mploader_rng", None)
             if rng is not None:

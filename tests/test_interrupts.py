@@ -268,3 +268,44 @@ def test_an_exception_inside_the_sampler_ends_the_pass_with_an_error():
         print("OK")
     """, timeout_s=60)
     assert out.stdout.split()[-1:] == ["OK"], out.stdout
+
+
+def test_torch_face_new_epoch_after_an_interrupt_inside_the_sampler_is_whole():
+    """Torch face, persistent workers and torch's seeding: a KeyboardInterrupt raised
+    inside the sampler, then a new epoch (what a Ctrl-C storm's loop does).  The new
+    ``iter()`` drains the abandoned pass as torch's ``_reset`` does (the workers' RNG
+    streams); that pass ends with the sampler's error, which must end the drain, not
+    escape from ``iter()``.  The new epoch is whole; every slot ends FREE."""
+    pytest.importorskip("torch")
+    out = run_case("""
+        import mploader.torch
+        class Sampler:
+            def __init__(self):
+                self.armed = True
+            def __len__(self):
+                return 50
+            def __iter__(self):
+                for k in range(50):
+                    if k == 20 and self.armed:
+                        self.armed = False
+                        raise KeyboardInterrupt
+                    yield [2 * k, 2 * k + 1]
+        loader = mploader.torch.DataLoader(Arange(100), batch_sampler=Sampler(), num_workers=2, timeout=30,
+                                           persistent_workers=True)
+        got = []
+        try:
+            for b in loader:
+                got.extend(int(x) for x in b[:, 0])
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("no interrupt")
+        assert got == list(range(len(got))) and len(got) < 100, got
+        assert [int(x) for b in loader for x in b[:, 0]] == list(range(100))
+        gc.collect()
+        region = loader._mpl_engine.region
+        assert [region.state(s) for s in range(region.nslots)] == [_ring.STATE_FREE] * region.nslots
+        loader.close()
+        print("OK")
+    """, timeout_s=60)
+    assert out.stdout.split()[-1:] == ["OK"], out.stdout
