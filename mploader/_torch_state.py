@@ -151,6 +151,7 @@ class _IterableState:
     def __init__(self) -> None:
         self.progress: _state.MapProgress | None = None
         self.per_worker: list[int] | None = None   # batches received from each worker (the running epoch)
+        self.dataset_iter: Any = None   # num_workers=0: the running epoch's iter(dataset) (SingleIter)
         self.pending: dict | None = None
         self.workers: tuple | None = None   # (WorkerStreams, _Dispatch) of the running iterator
 
@@ -401,6 +402,26 @@ def _tasks_to_pairs(tasks: Iterator[tuple]) -> Iterator[tuple]:
         yield i, index
 
 
+
+def _stateful(obj: Any) -> bool:
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def _dataset_states(dataset: Any, dataset_iter: Any) -> tuple[Any, Any]:
+    """torchdata's single-process ``dataset_state`` and ``dataset_iter_state``: the
+    ``state_dict()`` of the dataset and of ``iter(dataset)`` where they have one
+    (the iterator's only when it is not the dataset itself), deep-copied."""
+    dataset_state = copy.deepcopy(dataset.state_dict()) if _stateful(dataset) else None
+    iter_state = None
+    if dataset_iter is not None and dataset_iter is not dataset and _stateful(dataset_iter):
+        iter_state = copy.deepcopy(dataset_iter.state_dict())
+    return dataset_state, iter_state
+
+
+def _has_dataset_states(state: dict) -> bool:
+    return state.get("dataset_state") is not None or state.get("dataset_iter_state") is not None
+
+
 def begin(loader: DataLoader, epoch: int, sampler_iter: Iterator, iterators_per_epoch: int = 1) -> Position:
     """Start an epoch of ``loader`` whose iterator made ``sampler_iter`` (after
     ``iterators_per_epoch - 1`` others: see :meth:`mploader._state.MapState.start_epoch`)."""
@@ -412,14 +433,22 @@ def begin(loader: DataLoader, epoch: int, sampler_iter: Iterator, iterators_per_
         num_workers = loader.num_workers
         per_worker = [0] * num_workers if num_workers > 0 else None
         skip_per_worker = None
+        start = 0
         if pending is not None:
             if per_worker is not None:
                 skip_per_worker = list(pending.get("worker_batches") or per_worker)
+            elif _has_dataset_states(pending):
+                # torchdata's single-process resume: the dataset's and its iterator's
+                # own states put it where it stood (restored by SingleIter), nothing
+                # is replayed, and the count goes on from the saved one
+                start = pending["batches_consumed"]
+                progress.consumed = start
             else:
                 skip = range(pending["batches_consumed"])   # (a range: any count fits in memory)
         ckpt.progress = progress
         ckpt.per_worker = per_worker
-        return Position(progress, enumerate(sampler_iter), skip, per_worker, skip_per_worker)
+        ckpt.dataset_iter = None
+        return Position(progress, enumerate(sampler_iter, start), skip, per_worker, skip_per_worker)
     progress, tasks = ckpt.start_epoch(epoch, sampler_iter, iterators_per_epoch)
     return Position(progress, _tasks_to_pairs(tasks), frozenset())
 
@@ -441,9 +470,13 @@ def state_dict(loader: DataLoader) -> dict:
             if ckpt.per_worker is not None and len(ckpt.per_worker) == loader.num_workers:
                 worker_batches = list(ckpt.per_worker)
                 consumed = sum(worker_batches)
+        dataset_state = dataset_iter_state = None
+        if loader.num_workers == 0 and seed is None and progress is not None and not progress.finished:
+            dataset_state, dataset_iter_state = _dataset_states(loader.dataset, ckpt.dataset_iter)
         return {"version": _state.VERSION, "kind": "iterable", "face": "torch",
                 "dataset_type": _state.type_name(loader.dataset), "num_workers": loader.num_workers,
                 "epoch": epoch, "batches_consumed": consumed, "worker_batches": worker_batches, "seed": seed,
+                "dataset_state": dataset_state, "dataset_iter_state": dataset_iter_state,
                 "worker_rng": _worker_rng(loader, ckpt, mid_epoch),
                 "base_seed_generator": _generator_state(loader, mid_epoch)}
     if ckpt.pending is not None:
@@ -475,6 +508,10 @@ def load_state_dict(loader: DataLoader, state: Any) -> None:
         _state.check_field_int("epoch", state.get("epoch"), maximum=_state.INT64_MAX - 1)
         _state.check_field_int("batches_consumed", state.get("batches_consumed"))
         _check_worker_batches(state.get("worker_batches"), loader.num_workers)
+        if (loader.num_workers > 0 or state.get("seed") is not None) and _has_dataset_states(state):
+            field = "dataset_state" if state.get("dataset_state") is not None else "dataset_iter_state"
+            raise _state.StateMismatchError(f"cannot load the state: {field} is saved only without workers and "
+                                            f"seed (torch's single-process iterator), got {state.get(field)!r:.80}")
         _state.check_field_int("seed", state.get("seed"), maximum=None, none_ok=True)
         _check_worker_rng(state.get("worker_rng"), loader.num_workers)
         ckpt.pending = copy.deepcopy(dict(state))
@@ -491,6 +528,13 @@ def load_state_dict(loader: DataLoader, state: Any) -> None:
             _check_worker_rng(state.get("worker_rng"), saved_workers if isinstance(saved_workers, int) else None)
         loaded = ckpt.load(state, seed_none_ok=True)
     _load_generator(loader, loaded)
+    if isinstance(ckpt, _IterableState):
+        # the dataset's own state, as MapState restores it (the next iter(dataset) starts there)
+        try:
+            _state.restore(loader.dataset, loaded.get("dataset_state"), "dataset", "dataset_state")
+        except _state.StateMismatchError:
+            ckpt.pending = None
+            raise
     loader._mpl_epoch = loaded["epoch"]
     seed = loaded.get("seed")
     if seed is not None:
@@ -536,9 +580,21 @@ class SingleIter(_SingleProcessDataLoaderIter):
     its indices from the checkpoint's stream and reporting the batches received."""
 
     def __init__(self, loader: DataLoader) -> None:
-        super().__init__(loader)
+        super().__init__(loader)   # (iter(dataset): the dataset's state was restored by load_state_dict)
+        ckpt = _checkpoint(loader)
+        dataset_iter = getattr(self._dataset_fetcher, "dataset_iter", None)
+        iter_state = None
+        if isinstance(ckpt, _IterableState) and ckpt.pending is not None:
+            iter_state = ckpt.pending.get("dataset_iter_state")
+            if iter_state is not None and not _stateful(dataset_iter):
+                # iter(dataset) has no state to restore (another dataset type's, or a
+                # tampered field): the replica is fast-forwarded instead
+                ckpt.pending["dataset_iter_state"] = iter_state = None
         self._mpl_pos = begin(loader, loader._mpl_next_epoch(), self._sampler_iter)
         self._sampler_iter: Any = self._mpl_pos.indices()
+        if isinstance(ckpt, _IterableState):
+            ckpt.dataset_iter = dataset_iter
+            _state.restore(dataset_iter, iter_state, "dataset iterator", "dataset_iter_state")
 
     def _next_data(self) -> Any:
         return next_counted(self._mpl_pos, super()._next_data)

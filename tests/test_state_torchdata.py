@@ -120,6 +120,68 @@ def test_iterable_dataset_with_workers_resumes_without_loss_or_repeat(dataset, n
     check_both(make, interrupt)
 
 
+
+class DrawingIterator:
+    """torchdata's ``DummyIterator(shuffle=True, include_generator=True)``: each item is
+    drawn with torch's RNG, and the iterator's state holds that RNG."""
+
+    def __init__(self, samples):
+        self.samples = samples
+        self.i = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.i >= len(self.samples):
+            raise StopIteration
+        self.i += 1
+        return self.samples[torch.randint(len(self.samples), (1,)).item()]
+
+    def state_dict(self):
+        return {"i": self.i, "g": torch.get_rng_state().tolist()}
+
+    def load_state_dict(self, state):
+        self.i = state["i"]
+        torch.set_rng_state(torch.tensor(state["g"], dtype=torch.uint8))
+
+
+class Drawing(Generators):
+    """torchdata's ``DummyIterableDataset(shuffle=True)``: the iterator is stateful."""
+
+    def __iter__(self):
+        return DrawingIterator(list(range(*self._range())))
+
+
+@pytest.mark.parametrize("dataset,batch_size,interrupt", [
+    (Drawing, None, 10), (Drawing, 7, 1), (WithState, None, 10), (NoState, 7, 3)])
+def test_without_workers_the_dataset_and_iterator_states_are_restored(dataset, batch_size, interrupt):
+    """torchdata's single-process resume: the dataset's and ``iter(dataset)``'s own
+    ``state_dict`` (here the iterator's holds torch's RNG, from which it draws) put the
+    replica where it stood; without them the replica is fast-forwarded.  Before, the
+    replica was always replayed from the epoch's start, with the caller's RNG as it
+    was at the resume: other draws."""
+    def make(cls):
+        return cls(dataset(), batch_size=batch_size, num_workers=0, collate_fn=identity)
+    got = {}
+    for name, cls in LOADERS.items():
+        torch.manual_seed(3)
+        loader = make(cls)
+        it = iter(loader)
+        for _ in range(interrupt):
+            next(it)
+        state = loader.state_dict()
+        expected = list(it)
+        if name == "mploader":
+            state = json.loads(json.dumps(state))
+        torch.manual_seed(4)   # another process
+        loader = make(cls)
+        loader.load_state_dict(state)
+        got[name] = (list(loader), expected)
+    assert got["torchdata"][0] == got["torchdata"][1]
+    assert got["mploader"][0] == got["mploader"][1]
+
+
 # ---- in_order=False: an IterableDataset is checkpointable ----
 
 @pytest.mark.parametrize("persistent", [False, True])
