@@ -182,6 +182,34 @@ def test_without_workers_the_dataset_and_iterator_states_are_restored(dataset, b
     assert got["mploader"][0] == got["mploader"][1]
 
 
+
+def test_state_right_after_a_resumed_iter_of_persistent_workers():
+    """torchdata's TestFastStateDictRequest: load a state into the running loader,
+    take two batches and save again before every worker has delivered one; a fresh
+    loader resumes from that state where the first run stood."""
+    def make(cls):
+        return cls(Drawing([25, 25, 25, 25]), num_workers=4, batch_size=4, collate_fn=identity,
+                   persistent_workers=True, snapshot_every_n_steps=0)
+    for name, cls in LOADERS.items():
+        loader = make(cls)
+        it = iter(loader)
+        for _ in range(11):
+            next(it)
+        state = loader.state_dict()
+        next(it), next(it)
+        expected = list(it)
+        loader.load_state_dict(state)
+        it = iter(loader)
+        next(it), next(it)
+        state = loader.state_dict()
+        del it
+        close(loader)
+        loader = make(cls)
+        loader.load_state_dict(state)
+        assert list(loader) == expected, name
+        close(loader)
+
+
 # ---- in_order=False: an IterableDataset is checkpointable ----
 
 @pytest.mark.parametrize("persistent", [False, True])
