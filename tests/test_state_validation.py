@@ -14,16 +14,23 @@ import math
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils.data import IterableDataset
-from torchdata.stateful_dataloader import StatefulDataLoader
 
 import mploader
 from mploader._state import StateMismatchError
 from mploader.sampler import BatchSampler, RandomSampler
-from mploader.torch import DataLoader as TorchFace
+
+try:
+    import torch
+    from torch.utils.data import IterableDataset
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from mploader.torch import DataLoader as TorchFace
+except ImportError:  # the core suite runs without torch: the torch face's cases skip
+    torch = None
+    IterableDataset = object
+needs_torch = pytest.mark.skipif(torch is None, reason="the torch face's case needs torch and torchdata")
 
 N, B = 20, 3   # 7 batches an epoch (the last one short)
 BATCHES = math.ceil(N / B)
@@ -44,6 +51,7 @@ class Stream(IterableDataset):
 
 # ---- a different batch size ----
 
+@needs_torch
 def test_load_with_another_batch_size_is_refused_naming_both_torch_face():
     """torchdata 0.11 resumes at the right sample (it replays samples); the torch face
     refuses with both values (it counts batches).  Before: it resumed at sample 40
@@ -104,6 +112,7 @@ def chainer_state():
     return state
 
 
+@needs_torch
 @pytest.mark.parametrize("field, value, words", [
     ("batches_consumed", BATCHES + 1, "batches_consumed=8 is beyond the epoch: the batch sampler yields 7 batches"),
     ("epoch", 2 ** 63, "epoch must be an int in [0, 9223372036854775806], got 9223372036854775808"),
@@ -138,6 +147,7 @@ def test_tampered_chainer_state_is_refused_naming_field_value_and_range():
         it.finalize()
 
 
+@needs_torch
 def test_tampered_worker_rng_is_refused_naming_the_field():
     loader = TorchFace(Arange(), batch_size=B, num_workers=2)
     with loader:
@@ -227,9 +237,11 @@ def check_map_resume(loader, bad, length, path):
     return True
 
 
-STATES = {"gluon": gluon_state(), "torch": torch_state(), "torch_iterable": torch_state(iterable=True),
-          "torch_workers": torch_state(num_workers=2), "chainer": chainer_state()}
-assert STATES["torch_workers"]["worker_rng"]["states"] != [None, None]
+STATES = {"gluon": gluon_state(), "chainer": chainer_state()}
+if torch is not None:
+    STATES.update(torch=torch_state(), torch_iterable=torch_state(iterable=True),
+                  torch_workers=torch_state(num_workers=2))
+    assert STATES["torch_workers"]["worker_rng"]["states"] != [None, None]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -251,6 +263,7 @@ def test_tampered_gluon_state_is_accepted_and_correct_or_refused_naming_the_fiel
                                                       if i >= bad["batches_consumed"] and i not in skip]
 
 
+@needs_torch
 @pytest.mark.parametrize("saved", ["torch", "torch_workers"])
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
@@ -265,6 +278,7 @@ def test_tampered_torch_state_is_accepted_and_correct_or_refused_naming_the_fiel
         check_map_resume(loader, bad, BATCHES, path)
 
 
+@needs_torch
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_tampered_torch_iterable_state_is_accepted_and_correct_or_refused_naming_the_field(data):
