@@ -19,7 +19,22 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["WorkerError", "WorkerTraceback", "BatchFailure", "ExitStatus", "is_batch_error", "warn_at_caller"]
+__all__ = ["WorkerError", "WorkerTraceback", "BatchFailure", "ExitStatus", "is_batch_error", "warn_at_caller",
+           "add_note"]
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)`` (PEP 678, Python 3.11+); on 3.10 the note goes into
+    ``exc.__notes__`` all the same (where the exception takes attributes), which
+    pytest's ``match`` and tools that read notes see, though 3.10's traceback
+    printing does not."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+        return
+    try:
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+    except (AttributeError, TypeError):
+        pass
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -145,7 +160,7 @@ class BatchFailure:
         if exc is None:
             exc = RuntimeError(f"{self.type_name}: {self.message}")
         context = self.context()
-        exc.add_note(context) if hasattr(exc, "add_note") else None
+        add_note(exc, context)
         exc.__cause__ = WorkerTraceback(f"{context}\n\nWorker traceback:\n{self.traceback}",
                                         worker_id=self.worker_id, pid=self.pid, batch=self.seq,
                                         indices=self.indices, stage=self.stage, traceback=self.traceback)

@@ -42,6 +42,7 @@ from torch.utils.data import IterableDataset, default_collate, default_convert, 
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from . import _bad_samples, _diagnose, _engine, _hot, _metrics, _options, _pinning, _torch_state
+from ._errors import add_note
 from ._torch_collate import to_tensors, unpack
 from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, PACKED, CapturingFetch, Fetch, WorkerInit
 
@@ -719,9 +720,8 @@ def _as_torch_error(exc: BaseException, cause: Any) -> BaseException:
             new = exc_type(msg)
         except Exception:  # noqa: BLE001
             new = RuntimeError(msg)
-    if hasattr(new, "add_note"):
-        new.add_note(f"mploader: worker {cause.worker_id} (pid {cause.pid}), batch {cause.batch}, "
-                     f"sample indices {cause.indices!r}")
+    add_note(new, f"mploader: worker {cause.worker_id} (pid {cause.pid}), batch {cause.batch}, "
+                  f"sample indices {cause.indices!r}")
     return new
 
 

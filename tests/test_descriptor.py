@@ -42,6 +42,8 @@ from mploader import _structure as S
 from mploader._ring import SlotLease
 
 pytestmark = pytest.mark.timeout(120)
+# NumPy 2 moved byte_bounds to numpy.lib.array_utils; 1.24-1.26 have np.byte_bounds
+byte_bounds = getattr(np.lib, "array_utils", np).byte_bounds
 
 Point = collections.namedtuple("Point", "x y")
 Empty = collections.namedtuple("Empty", "")
@@ -577,7 +579,7 @@ def fuzz(name: str, trials: int, seed: int) -> None:
             outcomes["decoded"] += 1
             for arr in arrays(got):
                 if not arr.dtype.hasobject and arr.size:
-                    a_lo, a_hi = np.lib.array_utils.byte_bounds(arr)
+                    a_lo, a_hi = byte_bounds(arr)
                     assert lo <= a_lo and a_hi <= hi, "a view outside the slot"
             del got
         peak = tracemalloc.get_traced_memory()[1]

@@ -2,8 +2,9 @@
 # The core suite (no torch) on another CPython, with mploader installed from the sdist:
 #   matrix.sh PYTHON NUMPY_REQUIREMENT dist/mploader-<v>.tar.gz
 # The tests run from a copy of tests/ (and of what they read from the checkout: csrc/ for
-# the C core's own test, pyproject.toml for the pytest configuration) outside the source
-# tree, so the installed package is the one imported.  Tests that need torch skip.
+# the C core's own test, pyproject.toml for the pytest configuration, the docs and
+# top-level files some tests check) outside the source tree, so the installed package
+# is the one imported.  Tests that need torch skip.
 set -eu
 python=$1 numpy_req=$2 sdist=$3
 root=$(pwd)
@@ -16,9 +17,11 @@ rm -rf "$venv" "$work"
 "$venv/bin/python" -m pip install -q "$numpy_req" "$sdist[testcore]"
 mkdir -p "$work"
 if [ -n "${MATRIX_FROM_HEAD:-}" ]; then  # the committed tests only (a checkout with work in progress)
-  git -C "$root" archive HEAD tests csrc pyproject.toml | tar -x -C "$work"
+  git -C "$root" archive HEAD tests csrc docs pyproject.toml README.md CHANGELOG.md Makefile constraints.txt \
+    | tar -x -C "$work"
 else
-  cp -r "$root/tests" "$root/csrc" "$root/pyproject.toml" "$work/"
+  cp -r "$root/tests" "$root/csrc" "$root/docs" "$root/pyproject.toml" "$root/README.md" "$root/CHANGELOG.md" \
+    "$root/Makefile" "$root/constraints.txt" "$work/"
 fi
 rm -rf "$work/tests/release"
 cd "$work"
