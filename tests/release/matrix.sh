@@ -17,11 +17,11 @@ rm -rf "$venv" "$work"
 "$venv/bin/python" -m pip install -q "$numpy_req" "$sdist[testcore]"
 mkdir -p "$work"
 if [ -n "${MATRIX_FROM_HEAD:-}" ]; then  # the committed tests only (a checkout with work in progress)
-  git -C "$root" archive HEAD tests csrc docs pyproject.toml README.md CHANGELOG.md Makefile constraints.txt \
+  git -C "$root" archive HEAD tests csrc docs bench pyproject.toml README.md CHANGELOG.md Makefile constraints.txt \
     | tar -x -C "$work"
 else
-  cp -r "$root/tests" "$root/csrc" "$root/docs" "$root/pyproject.toml" "$root/README.md" "$root/CHANGELOG.md" \
-    "$root/Makefile" "$root/constraints.txt" "$work/"
+  cp -r "$root/tests" "$root/csrc" "$root/docs" "$root/bench" "$root/pyproject.toml" "$root/README.md" \
+    "$root/CHANGELOG.md" "$root/Makefile" "$root/constraints.txt" "$work/"
 fi
 rm -rf "$work/tests/release"
 cd "$work"
