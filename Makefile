@@ -42,7 +42,7 @@ bench: install-bench
 	$(VENV)/bin/mploader bench $(BENCH_ARGS)
 
 # ---- the C core alone (tests/c/test_ring.c + csrc/ring.c; no Python, no venv) ----
-# ctest  : the runs of tests/test_c_ring.py, under AddressSanitizer + UBSan (~10 s)
+# ctest  : the runs of tests/test_c_ring.py and tests/test_c_memops.py, under AddressSanitizer + UBSan (~10 s)
 # stress : longer runs of the stress phase under ASan + UBSan (a few minutes)
 # tsan   : ThreadSanitizer build; the contract phase and the stress phase with workers as
 #          threads (TSan sees threads, not processes; the protocol is the same)
@@ -58,10 +58,15 @@ TSAN_ENV := TSAN_OPTIONS=halt_on_error=1:die_after_fork=0
 tests/c/test_ring: $(C_TEST_SRC) csrc/ring.h csrc/ring_impl.h
 	$(CC) $(C_TEST_CFLAGS) -fsanitize=address,undefined $(C_TEST_SRC) -o $@
 
+# tests/c/test_memops.c: csrc/memops.c (streaming copies against memcpy, MADV_DOFORK)
+tests/c/test_memops: tests/c/test_memops.c csrc/memops.c csrc/memops.h
+	$(CC) $(C_TEST_CFLAGS) -fsanitize=address,undefined tests/c/test_memops.c csrc/memops.c -o $@
+
 tests/c/test_ring_tsan: $(C_TEST_SRC) csrc/ring.h csrc/ring_impl.h
 	$(CC) $(C_TEST_CFLAGS) -fsanitize=thread $(C_TEST_SRC) -o $@
 
-ctest: tests/c/test_ring
+ctest: tests/c/test_ring tests/c/test_memops
+	$(ASAN_ENV) ./tests/c/test_memops
 	$(ASAN_ENV) ./tests/c/test_ring 2 0 1 phase=contract
 	$(ASAN_ENV) ./tests/c/test_ring 3 12000 1 phase=stress slots=4 slot_bytes=0
 	$(ASAN_ENV) ./tests/c/test_ring 2 8000 2 phase=stress slots=2 slot_bytes=65536
@@ -111,4 +116,4 @@ test-matrix: sdist
 	sh tests/release/matrix.sh $(PY313) 'numpy' dist/mploader-*.tar.gz
 
 clean:
-	rm -rf build bench/build dist $(VENV) *.egg-info bench/*.egg-info mploader/_ring.c mploader/*.so tests/c/test_ring tests/c/test_ring_tsan
+	rm -rf build bench/build dist $(VENV) *.egg-info bench/*.egg-info mploader/_ring.c mploader/*.so tests/c/test_ring tests/c/test_ring_tsan tests/c/test_memops
