@@ -31,8 +31,8 @@ batch the parent's and the workers' CPU, minor page faults and context switches
 samples, tensors out), ``mploader.torch-tensors`` (tensor samples, tensors out), and
 ``torch`` for reference.
 
-Run it under ``perf record -e cpu-clock -g`` to see the native functions (docs/bench.md,
-issue 24's journal entry).
+Run it under ``perf record -e cpu-clock -g`` to see the native functions (docs/bench-log.md,
+issue 24's entry).
 """
 from __future__ import annotations
 

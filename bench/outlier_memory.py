@@ -7,7 +7,7 @@ A DataLoader over batches of 4 samples, every batch 16 KiB except batch 8, which
 bytes it holds (``st_blocks``: holes excluded).  ``--baseline REV`` runs the same
 loader with ``mploader/_descriptor.py`` as it was at git revision REV (e.g.
 ``a933407``, the high-water-mark sizing) in the workers and the parent.  Prints KiB
-after each batch; docs/design.md ("Slot sizing") quotes it.
+after each batch; docs/design-log.md ("Slot sizing") quotes it.
 """
 from __future__ import annotations
 

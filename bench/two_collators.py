@@ -14,7 +14,7 @@ with streaming stores (``mploader._hot.copy_rows``).  Printed: batches/s of one
 process alone and of two at once (their sum).  The transport suite's collate-limit
 row writes one buffer again and again (partly from the cache) and its "2-core limit"
 is twice that one process; this script shows what two cores really reach together
-(docs/bench.md, issue 13).
+(docs/bench-log.md, issue 13).
 """
 from __future__ import annotations
 

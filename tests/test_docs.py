@@ -1,0 +1,165 @@
+"""The docs against the tree: every section the code, tests, benchmarks and docs quote
+exists, and every figure the reference docs quote from a constant is the constant's value.
+
+The reference docs (docs/design.md, docs/bench.md, docs/faces.md) say what is true now;
+the journals (docs/design-log.md, docs/bench-log.md) what was measured when (issue 21
+s6).  A constant quoted in a reference doc is pinned here: the doc's figure is read
+from the doc's text and compared with the value imported from the code, so changing
+either alone fails this test."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = ("design.md", "design-log.md", "bench.md", "bench-log.md", "faces.md", "metrics.md")
+
+
+def _read(rel: str) -> str:
+    with open(os.path.join(REPO, rel), encoding="utf-8") as f:
+        return f.read()
+
+
+def _flat(text: str) -> str:
+    """Whitespace (line breaks, comment markers of wrapped quotes) as single spaces."""
+    text = re.sub(r"\n\s*(#|\*|//)?\s*", " ", text)
+    return re.sub(r"\s+", " ", text)
+
+
+def _headings(doc: str) -> list[str]:
+    """The doc's headings and its paragraphs' bold labels (`* **Checkpoints** (...)`),
+    without backticks."""
+    text = _read(f"docs/{doc}")
+    found = re.findall(r"^#{1,4} (.+)$", text, re.M)
+    found += re.findall(r"^(?:\* )?\*\*([^*]+)\*\*", text, re.M)
+    return [h.replace("`", "").strip().rstrip(".") for h in found]
+
+
+def _sources() -> list[str]:
+    pats = ["README.md", "docs/*.md", "mploader/*.py", "mploader/*.pyx", "mploader/*.pxd",
+            "mploader/*.pxi", "mploader/integrations/*.py", "csrc/*.[ch]", "bench/*.py",
+            "bench/mploader_bench/*.py", "tests/*.py", "tests/c/*.c"]
+    out: list[str] = []
+    for pat in pats:
+        out.extend(sorted(glob.glob(os.path.join(REPO, pat))))
+    return [p for p in out if not p.endswith("tests/test_docs.py")]
+
+
+# docs/design.md, "Name"   docs/design.md ("Name", "Other")   `docs/design.md`, "Name"
+_QUOTE = re.compile(r'docs/([a-z-]+\.md)`?,? \(?((?:"[^"]{2,80}"(?:, | and )?)+)')
+
+
+def _quotes() -> list[tuple[str, str, str]]:
+    found = []
+    for path in _sources():
+        text = _flat(_read(os.path.relpath(path, REPO)))
+        for m in _QUOTE.finditer(text):
+            for name in re.findall(r'"([^"]+)"', m.group(2)):
+                found.append((os.path.relpath(path, REPO), m.group(1), name))
+    return found
+
+
+def test_the_quote_finder_finds_quotes():
+    """The pattern below must see the quotes the tree is known to hold, or the next
+    test would pass on nothing."""
+    quotes = {(doc, name) for _, doc, name in _quotes()}
+    assert ("design.md", "Slot protocol") in quotes          # csrc/ring.h, wrapped line
+    assert ("design.md", "Pinned memory and asynchronous copies") in quotes  # wrapped
+    assert ("bench.md", "The cache rule") in quotes
+    assert len(quotes) >= 20
+
+
+def test_every_quoted_section_exists():
+    """A quote names a heading of the doc or a paragraph's bold label (a heading may go
+    on after the quoted name: "Faults" is "Faults (issue 9): what the user sees, and
+    the test")."""
+    missing = []
+    for where, doc, name in _quotes():
+        if doc not in DOCS:
+            missing.append(f"{where}: docs/{doc} does not exist")
+            continue
+        heads = _headings(doc)
+        if not any(h == name or h.startswith(name + " ") or h.startswith(name + ":")
+                   or h.startswith(name + ",") for h in heads):
+            missing.append(f"{where}: docs/{doc} has no section {name!r}")
+    assert not missing, "\n".join(sorted(set(missing)))
+
+
+def test_every_doc_the_docs_name_exists():
+    names = set()
+    for path in _sources():
+        names.update(re.findall(r"docs/([A-Za-z0-9_-]+\.(?:md|png))", _read(os.path.relpath(path, REPO))))
+    assert names, "no doc is named anywhere"
+    missing = sorted(n for n in names if not os.path.exists(os.path.join(REPO, "docs", n)))
+    assert not missing, f"named but absent: {missing}"
+
+
+def test_reference_and_journal_are_apart():
+    """The journals hold the dated runs; the reference docs hold none of the journal's
+    session headings."""
+    bench = _read("docs/bench.md")
+    design = _read("docs/design.md")
+    assert "# Journal" not in bench and "Per-batch cost (issue 13)" not in bench
+    assert "Per-batch cost (issue 13)" in _read("docs/bench-log.md")
+    for ref in (bench, design):
+        assert not re.search(r"^#+ .*\b20\d\d-\d\d-\d\d\b", ref, re.M), "a dated heading in a reference doc"
+
+
+# ---- figures the reference quotes from constants ----
+
+def _figure(doc: str, pattern: str) -> str:
+    text = _flat(_read(f"docs/{doc}"))
+    m = re.search(pattern, text)
+    assert m, f"docs/{doc} no longer states {pattern!r}: update the doc and this test together"
+    return m.group(1)
+
+
+def _mib(text: str) -> int:
+    num, unit = text.split()
+    return int(num) * {"KiB": 1 << 10, "MiB": 1 << 20}[unit]
+
+
+def _constant(name: str) -> list[tuple[str, object]]:
+    """``name``'s value in every module of mploader that assigns it at top level (a
+    constant may move between modules; the doc's figure must match wherever it is)."""
+    import importlib
+
+    found = []
+    for path in sorted(glob.glob(os.path.join(REPO, "mploader", "*.py*"))):
+        if not path.endswith((".py", ".pyx")):
+            continue
+        if re.search(rf"^{name}\s*(:[^=]+)?=", _read(os.path.relpath(path, REPO)), re.M):
+            mod = "mploader." + os.path.basename(path).rsplit(".", 1)[0]
+            found.append((mod, getattr(importlib.import_module(mod), name)))
+    assert found, f"no module of mploader defines {name}"
+    return found
+
+
+@pytest.mark.parametrize("name, pattern, parse", [
+    ("MAX_PLANS", r"`MAX_PLANS` \((\d+)\)", int),
+    ("MAX_UNUSED_PLANS", r"`MAX_UNUSED_PLANS` \((\d+)\)", int),
+    ("SMALL_BATCHES_BYTES", r"`SMALL_BATCHES_BYTES // batch_bytes` \((\d+ [KM]iB)\)", _mib),
+    ("AUTO_PREFETCH_PER_WORKER",
+     r"`AUTO_PREFETCH_PER_WORKER \* num_workers`\] \((\d+) per worker\)", int),
+    ("STREAM_MIN_BYTES", r"`_?\w*\.?STREAM_MIN_BYTES` \((\d+ [KM]iB)\)", _mib),
+    ("SMALL_LEAF_BYTES", r"`mploader.torch.SMALL_LEAF_BYTES` \((\d+ [KM]iB)", _mib),
+])
+def test_design_md_figures_are_the_codes(name, pattern, parse):
+    if name == "SMALL_LEAF_BYTES":
+        pytest.importorskip("torch")
+    figure = parse(_figure("design.md", pattern))
+    for module, value in _constant(name):
+        assert figure == value, f"docs/design.md says {name} is {figure}, {module} has {value}"
+
+
+def test_faces_md_counts_the_faces():
+    """faces.md's title counts the faces that the design's table lists."""
+    words = {"two": 2, "three": 3, "four": 4, "five": 5, "six": 6}
+    count = words[_figure("faces.md", r"^# The (\w+) faces")]
+    table = re.search(r"\| face \| tasks from \|.*?\n\n", _read("docs/design.md"), re.S)
+    assert table, "docs/design.md lost its table of faces"
+    rows = [r for r in table.group(0).splitlines()[2:] if r.startswith("|")]
+    assert count == len(rows) == 4
