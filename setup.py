@@ -45,5 +45,25 @@ hot = Extension(
     extra_compile_args=C_FLAGS,
 )
 
-setup(ext_modules=cythonize([ext, scan, hot], language_level=3,
+# The per-batch steps at C speed, one module per role (each plain Cython over the C
+# library; the numpy ones read arrays' shape and dtype through NumPy's C API).
+NUMPY_C = {"include_dirs": ["csrc", numpy.get_include()],
+           "define_macros": [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]}
+roles = [
+    # the wire format: task records, their framing, the pipe writes
+    Extension("mploader._protocol", sources=["mploader/_protocol.pyx"], extra_compile_args=C_FLAGS),
+    # the scheduler's steps that an interrupt must not split (cimports _protocol's write loop)
+    Extension("mploader._steps", sources=["mploader/_steps.pyx"], extra_compile_args=C_FLAGS),
+    # generator states seeded and read in place (NumPy's bitgen_t)
+    Extension("mploader._rng_memory", sources=["mploader/_rng_memory.pyx"], extra_compile_args=C_FLAGS,
+              **NUMPY_C),
+    # collation checks, row copies (csrc/memops.c's streaming stores), batch plans
+    Extension("mploader._columns", sources=["mploader/_columns.pyx", "csrc/memops.c"],
+              extra_compile_args=C_FLAGS, **NUMPY_C),
+    # madvise of the region's pages (csrc/memops.c), for CUDA pinning
+    Extension("mploader._memops", sources=["mploader/_memops.pyx", "csrc/memops.c"],
+              include_dirs=["csrc"], extra_compile_args=C_FLAGS),
+]
+
+setup(ext_modules=cythonize([ext, scan, hot, *roles], language_level=3,
                            compiler_directives={"boundscheck": False, "wraparound": False}))

@@ -1,0 +1,3 @@
+"""Typing stub for the Cython module mploader._memops (see _memops.pyx)."""
+
+def madvise_dofork(address: int, nbytes: int) -> int: ...

@@ -1,0 +1,221 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""The scheduler's steps that an interrupt must not split (docs/design.md, "Faults").
+
+A signal handler that raises (Ctrl-C's KeyboardInterrupt, a SIGTERM or SIGALRM
+handler) runs in the main thread at its next bytecode, whichever thread the kernel
+delivered the signal to: any thread that does not block it (a BLAS pool, a logging
+thread, tqdm's monitor), where CPython's C handler only sets a flag.  No signal mask
+of one thread keeps the handler out of a section.  So each change of the
+scheduler's state that must not be split is one call here: between its first
+change and its last it runs no Python bytecode (only C: the ring's methods, and
+list, deque, dict, set and attribute operations on objects without Python-level
+hooks), and an interrupt lands before it or after it.  The scheduler
+(mploader/_scheduler.py) owns the state and decides; these are its steps.
+:func:`serial_next`, a face iterator's ``__next__``, carries a batch from the run
+to the caller the same way.
+"""
+from libc.errno cimport EAGAIN
+from cpython.bytes cimport PyBytes_AS_STRING
+
+from mploader._protocol cimport write_loop
+
+
+cdef inline _buffer(dict pending, worker, task, bytes frame):
+    """Queue ``frame`` (``task``'s record; None: a RETIRE) for ``worker``."""
+    items = pending.get(worker)
+    if items is None:
+        pending[worker] = [(task, frame)]
+    else:
+        (<list>items).append((task, frame))
+
+
+def dispatch(sched, run, task, bytes frame, region, retire):
+    """Dispatch ``task`` (made from the head of ``run.pushback``; ``frame`` its task
+    record) in one step: E1 on ``task.slot`` when it is a slot (``region.assign``,
+    which raises SlotStateError before anything changed), ``sched.seq`` past the
+    task's, the record buffered in ``sched.pending``, the task appended to
+    ``run.inflight`` and to its worker's ``outstanding``, the head of
+    ``run.pushback`` dropped, the worker's ``sent`` counted; ``retire`` (a RETIRE
+    record, or None) is buffered after the record and marks the worker retiring."""
+    worker = task.worker
+    cdef Py_ssize_t slot = task.slot
+    if slot >= 0:
+        region.assign(slot, task.seq)   # E1
+    sched.seq = task.seq + 1
+    cdef dict pending = sched.pending
+    _buffer(pending, worker, task, frame)
+    run.inflight.append(task)
+    worker.outstanding.append(task)
+    run.pushback.popleft()
+    worker.sent += 1
+    if retire is not None:
+        worker.retiring = True
+        _buffer(pending, worker, None, retire)
+
+
+def hand_over(sched, task, worker, bytes frame, list items):
+    """Give ``task``, whose record ``frame`` (``items[0]``, a dead worker's unsent
+    records) never reached its worker, to ``worker`` in one step: the task's worker,
+    ``worker.outstanding`` and ``sent``, the record buffered in ``sched.pending``, and
+    ``items[0]`` dropped."""
+    task.worker = worker
+    worker.outstanding.append(task)
+    worker.sent += 1
+    _buffer(sched.pending, worker, task, frame)
+    del items[0]
+
+
+def flush(sched):
+    """Send each worker's buffered records (``sched.pending``: ``{worker: [(task,
+    frame), ...]}``) with one non-blocking ``send()``, and record what was sent in
+    the same step: what a full socket did not take goes back to ``sched.pending``
+    (the tail of a record the worker has begun to receive as an item without a task:
+    that task is the worker's already), what a closed socket (a dead worker) did not
+    take whole goes to ``sched.unsent``.  The sends release the GIL."""
+    cdef dict pending = sched.pending
+    cdef dict unsent = sched.unsent
+    cdef dict left = {}
+    cdef list items
+    cdef bytes data, frame
+    cdef const char *p
+    cdef Py_ssize_t n, sent, start, end, k
+    cdef int fd, err
+    sched.pending = left
+    for worker, items in pending.items():
+        data = items[0][1] if len(items) == 1 else b"".join([item[1] for item in items])
+        fd = worker.fd
+        p = PyBytes_AS_STRING(data)
+        n = len(data)
+        with nogil:
+            err = write_loop(fd, p, n, &sent, True)
+        if not err:
+            continue
+        end = 0
+        for k in range(len(items)):
+            frame = items[k][1]
+            start = end
+            end = end + len(frame)
+            if end > sent:
+                if err == EAGAIN:  # (EWOULDBLOCK on Linux)
+                    if start >= sent:
+                        left[worker] = items[k:]
+                    else:
+                        left[worker] = [(None, frame[sent - start:])] + items[k + 1:]
+                else:
+                    rest = unsent.get(worker)
+                    if rest is None:
+                        unsent[worker] = items[k:]
+                    else:
+                        (<list>rest).extend(items[k:])
+                break
+
+
+def pull(run, Py_ssize_t n):
+    """Append up to ``n`` items of ``run.source`` (the sampler's task stream) to
+    ``run.pushback``; returns how many (fewer than ``n``: the source is exhausted).
+    Each item is appended in the step that takes it from the source.  An exception
+    raised by the source (a handler's KeyboardInterrupt included: the source is
+    Python code) is recorded in ``run.source_error`` in the same step, then
+    propagates: a generator it passed through is finished, and the run must not
+    take the StopIteration that follows for the end of the pass."""
+    source = run.source
+    pushback = run.pushback
+    cdef Py_ssize_t k = 0
+    try:
+        while k < n:
+            item = next(source)
+            pushback.append(item)
+            k += 1
+    except StopIteration:
+        pass
+    except BaseException as exc:
+        run.source_error = exc
+        raise
+    return k
+
+
+def hand_off(run, task, value, bint failed, mailbox):
+    """The consume tail in one step: ``run.handoff`` = ``value`` (``failed``: an
+    exception that ``next()`` raises -- the worker's, or the reason the batch cannot
+    be read), ``task`` consumed and off its worker's ``outstanding``, then the
+    batch's message out of ``mailbox`` (the pipe; None for a slot) and the lease out
+    of ``task.box`` (E4 when nothing else holds it; last, as a lease's release hook
+    may run Python code)."""
+    run.handoff = value
+    run.failed = failed
+    task.consumed = True
+    worker = task.worker
+    out = worker.outstanding
+    if out and out[0] is task:
+        out.popleft()
+        if worker.done > 0:
+            worker.done -= 1
+    elif task in out:
+        out.remove(task)
+        worker.done = 0
+    if mailbox is not None:
+        (<dict>mailbox).pop(task.seq, None)
+    del (<list>task.box)[:]
+
+
+def follow_pipe(task):
+    """``task``'s batch did not fit the region and follows on its worker's pipe (its
+    slot holds a PIPE record): in one step the task waits on the pipe from now on and
+    the lease leaves ``task.box`` (E4)."""
+    task.via_pipe = True
+    del (<list>task.box)[:]
+
+
+def drop_stale(task, pipe_seqs):
+    """A stale ``task`` (of an abandoned run) whose batch is there (its lease in
+    ``task.box``) or comes by pipe, in one step: its seq joins ``pipe_seqs`` (the
+    scheduler's set of pipe messages to drop; None when nothing comes by pipe), the
+    task is marked done (``consumed``) and the lease leaves ``task.box`` (E4)."""
+    if pipe_seqs is not None:
+        (<set>pipe_seqs).add(task.seq)
+    task.consumed = True
+    del (<list>task.box)[:]
+
+
+def serial_next(it):
+    """A face iterator's ``__next__`` (the Gluon face's ``_LoaderIter``): the next
+    batch of ``it._gen`` (a :class:`~mploader._scheduler.Run`, or an in-process run)
+    with ``it._lock`` held (threads sharing the iterator get each batch once, in
+    order), counted in ``it._progress.consumed`` (when not None); an exception of the
+    run goes to ``it._ended(exc)`` first, then propagates.  Written here, not in
+    Python: from the run's ``__next__`` to the caller the batch passes through C only.
+    CPython runs pending signal handlers when a call returns into Python code (3.10:
+    every call, and every jump; 3.11+: calls of C functions, such as a ``with``'s
+    ``__exit__``), and one raising there dropped the batch on its way out."""
+    with it._lock:
+        try:
+            batch = next(it._gen)
+        except BaseException as exc:
+            it._ended(exc)
+            raise
+        progress = it._progress
+        if progress is not None:
+            progress.consumed += 1
+        return batch
+
+
+def abandon_runs(sched):
+    """Make the batches in flight of the runs superseded or dropped since the last
+    call stale, in one step: ``sched.dropped`` lists their weak references (a run's
+    death appends its own, a C call), ``sched.runs`` maps each to the run's
+    ``inflight`` deque; the tasks of the current ``sched.generation`` not yet
+    consumed join ``sched.stale`` (freed by the reaper as they complete) and the
+    deque is emptied.  A reference listed twice finds its deque empty."""
+    cdef list dropped = sched.dropped
+    cdef dict runs = sched.runs
+    cdef list stale = sched.stale
+    generation = sched.generation
+    while dropped:
+        inflight = runs.pop(dropped[len(dropped) - 1], None)
+        if inflight is not None:
+            for t in inflight:
+                if t.generation == generation and not t.consumed:
+                    t.stale = True
+                    stale.append(t)
+            inflight.clear()
+        dropped.pop()
