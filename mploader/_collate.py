@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _hot
+from . import _columns
 
 #: ``alloc(shape, dtype) -> ndarray``: returns a writable, C-contiguous, possibly
 #: uninitialised array of exactly ``shape`` and ``dtype`` (a slot view in a worker).
@@ -46,8 +46,8 @@ def _asarray_dtype(dtype: np.dtype, count: int) -> np.dtype:
 
 def _uniform_arrays(samples: Sequence[Any]) -> bool:
     """Whether ``samples`` are plain ndarrays of one shape and one non-object dtype
-    (checked in C: ``mploader._hot.uniform_arrays``)."""
-    return _hot.uniform_arrays(samples if type(samples) is list else list(samples))
+    (checked in C: ``mploader._columns.uniform_arrays``)."""
+    return _columns.uniform_arrays(samples if type(samples) is list else list(samples))
 
 
 def _stack_into(samples: Sequence[np.ndarray], dtype: np.dtype, alloc: Alloc) -> np.ndarray:
@@ -58,7 +58,7 @@ def _stack_into(samples: Sequence[np.ndarray], dtype: np.dtype, alloc: Alloc) ->
     if out.size == 0:
         pass
     elif shape:
-        if _hot.copy_rows(samples if type(samples) is list else list(samples), out):
+        if _columns.copy_rows(samples if type(samples) is list else list(samples), out):
             return out  # sample i at out[i], memcpy or streaming stores (docs/design.md, "Collate into the slot")
         # Byte-swapped or non-contiguous samples: NumPy's copy (equal shapes checked by the caller).
         rows = (len(samples) * shape[0],) + shape[1:]
@@ -74,12 +74,12 @@ def _asarray_into(samples: Sequence[Any], alloc: Alloc) -> Any:
     NumPy cannot make a non-object array of them (ragged, mixed, arbitrary objects)."""
     if type(samples) is not list:
         samples = list(samples)
-    if _hot.uniform_arrays(samples):
+    if _columns.uniform_arrays(samples):
         return _stack_into(samples, _asarray_dtype(samples[0].dtype, min(len(samples), 2)), alloc)
-    number_dtype = _hot.number_column_dtype(samples)
+    number_dtype = _columns.number_column_dtype(samples)
     if number_dtype is not None:  # B numbers of one type: the dtype np.asarray gives them, filled in C
         out = alloc((len(samples),), number_dtype)
-        _hot.fill_numbers(samples, out)
+        _columns.fill_numbers(samples, out)
         return out
     try:
         arr = np.asarray(samples)
@@ -156,10 +156,10 @@ def collate_nested(samples: Sequence[Any], alloc: Alloc = _heap_alloc) -> Any:
         return _stack_into(samples, first.dtype, alloc)
     if isinstance(first, _NUMBER_TYPES):
         column = samples if type(samples) is list else list(samples)
-        number_dtype = _hot.number_column_dtype(column)
+        number_dtype = _columns.number_column_dtype(column)
         if number_dtype is not None:
             out = alloc((len(column),), number_dtype)
-            _hot.fill_numbers(column, out)
+            _columns.fill_numbers(column, out)
             return out
         if not all(issubclass(t, _NUMBER_TYPES) and not issubclass(t, np.ndarray)
                    for t in set(map(type, samples))):

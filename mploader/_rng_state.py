@@ -5,7 +5,7 @@ Two users, one owner of the generators' memory layout:
 * per-batch seeding (:func:`seed`, called by ``mploader._worker.seed_rngs``; docs/design.md,
   "Per-batch seeding") gives ``random``'s and NumPy's global Mersenne Twisters a fresh
   state that is a pure function of a 64-bit batch seed: 624 words of splitmix64
-  output (``_hot.mt_words``), position 624, no cached Gaussian;
+  output (``_rng_memory.mt_words``), position 624, no cached Gaussian;
 * with torch's per-worker seeding (``mploader.torch.DataLoader`` without ``seed=``)
   worker ``i`` seeds ``random``, NumPy's global RNG and torch's CPU generator once,
   from ``base_seed + i``, and every batch it builds draws from where the previous one
@@ -18,13 +18,13 @@ Two users, one owner of the generators' memory layout:
   :func:`restore`.
 
 Both run once per batch, so where they can they write and read the states' memory in
-place (``mploader._hot``: the object and an offset inside its struct, never an
+place (``mploader._rng_memory``: the object and an offset inside its struct, never an
 address) instead of calling the public setters and getters (``random.seed`` runs
 ``init_by_array``, 3.8 us; ``random.getstate()`` builds 625 ints, about 7 us;
 ``np.random.get_state()`` copies its key word by word, about 40 us):
 
 * NumPy's MT19937 key and position inside its bit generator, found through the
-  documented capsule (``bitgen_t.state``, ``_hot.state_offset``);
+  documented capsule (``bitgen_t.state``, ``_rng_memory.state_offset``);
 * the Python generator's index and words, and the legacy ``RandomState``'s cached
   Gaussian (``has_gauss``/``gauss``), at offsets inside their objects found on
   private instances (:func:`_calibrate`);
@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _hot
+from . import _rng_memory
 
 __all__ = ["seed", "path", "forced_fallback", "FORCE_ENV", "capture", "capture_if_changed", "to_json", "restore",
            "check_json"]
@@ -82,7 +82,7 @@ _WORDS = struct.Struct(f"={_MT_WORDS}I")
 _NUMPY_SALT = 0x6E756D7079  # "numpy"
 _MT19937 = np.random.MT19937
 _RandomState = np.random.RandomState
-assert _hot.MT_STATE_BYTES == _MT_BYTES
+assert _rng_memory.MT_STATE_BYTES == _MT_BYTES
 
 
 class _Layout:
@@ -134,14 +134,14 @@ def _find_python() -> str | None:
         _, internal, _ = r.getstate()
         want = struct.pack(f"=i{_MT_WORDS}I", internal[-1], *internal[:_MT_WORDS])
         if off < 0:
-            off = _hot.object_bytes(r).find(want)
+            off = _rng_memory.object_bytes(r).find(want)
             if off < 0:
                 return "random.Random's state was not found inside its object"
-        if _hot.field_bytes(r, off, _MT_BYTES) != want:
+        if _rng_memory.field_bytes(r, off, _MT_BYTES) != want:
             return "random.Random's state moved inside its object"
         r.random()
-    _hot.mt_seed(r, off, 99, True)
-    if r.getstate()[1] != struct.unpack(f"={_MT_WORDS}I", _hot.mt_words(99)) + (_MT_WORDS,):
+    _rng_memory.mt_seed(r, off, 99, True)
+    if r.getstate()[1] != struct.unpack(f"={_MT_WORDS}I", _rng_memory.mt_words(99)) + (_MT_WORDS,):
         return "a state written into random.Random is not what its getstate() returns"
     _Layout.py_state = off
     return None
@@ -152,25 +152,25 @@ def _find_numpy() -> str | None:
     bitgen = rs._bit_generator
     if type(bitgen) is not _MT19937:
         return f"NumPy's RandomState draws from a {type(bitgen).__name__}, not an MT19937"
-    key = _hot.state_offset(bitgen)
+    key = _rng_memory.state_offset(bitgen)
     rs.standard_normal()   # generates two values and caches the second: has_gauss = 1
     st: Any = rs.get_state()
-    raw = _hot.object_bytes(rs)
+    raw = _rng_memory.object_bytes(rs)
     off = raw.find(struct.pack("=d", st[4])) - 8
     if off < 0 or raw[off:off + _NP_GAUSS.size] != _NP_GAUSS.pack(1, st[4]):
         return "RandomState's cached Gaussian was not found inside its object"
     for _ in range(2):
-        if _hot.field_bytes(bitgen, key, _MT_BYTES) != _np_public(st)[0]:
+        if _rng_memory.field_bytes(bitgen, key, _MT_BYTES) != _np_public(st)[0]:
             return "MT19937's state (bitgen_t.state) is not what get_state() returns"
-        if _hot.field_bytes(rs, off, _NP_GAUSS.size) != _np_public(st)[1]:
+        if _rng_memory.field_bytes(rs, off, _NP_GAUSS.size) != _np_public(st)[1]:
             return "RandomState's cached Gaussian moved inside its object"
         rs.standard_normal()   # takes the cached one: has_gauss = 0
         st = rs.get_state()
     rs.standard_normal()
-    _hot.mt_seed(bitgen, key, 99, False)
-    _hot.field_clear(rs, off, _NP_GAUSS.size)
+    _rng_memory.mt_seed(bitgen, key, 99, False)
+    _rng_memory.field_clear(rs, off, _NP_GAUSS.size)
     st = rs.get_state()
-    if (st[1].tobytes(), st[2], st[3], st[4]) != (_hot.mt_words(99), _MT_WORDS, 0, 0.0):
+    if (st[1].tobytes(), st[2], st[3], st[4]) != (_rng_memory.mt_words(99), _MT_WORDS, 0, 0.0):
         return "a state written into NumPy's MT19937 is not what get_state() returns"
     _Layout.np_key, _Layout.np_gauss = key, off
     return None
@@ -263,21 +263,21 @@ def recheck() -> None:
 def seed(seed64: int) -> None:
     """Give ``random``'s and NumPy's global generators the state of batch seed
     ``seed64`` (docs/design.md, "Per-batch seeding"): Python's gets the words of
-    ``_hot.mt_words(seed64)``, NumPy's those of ``seed64 ^ 0x6E756D7079``, both at
+    ``_rng_memory.mt_words(seed64)``, NumPy's those of ``seed64 ^ 0x6E756D7079``, both at
     position 624, with no cached Gaussian.  In place (0.2 us each) or through
     ``random.setstate`` / ``np.random.set_state``: the same state either way."""
     t = _fast()
     if t is not None:
         inst, rs, bitgen = t
-        _hot.mt_seed(inst, _Layout.py_state, seed64, True)
+        _rng_memory.mt_seed(inst, _Layout.py_state, seed64, True)
         inst.gauss_next = None
-        _hot.mt_seed(bitgen, _Layout.np_key, seed64 ^ _NUMPY_SALT, False)
-        _hot.field_clear(rs, _Layout.np_gauss, _NP_GAUSS.size)
+        _rng_memory.mt_seed(bitgen, _Layout.np_key, seed64 ^ _NUMPY_SALT, False)
+        _rng_memory.field_clear(rs, _Layout.np_gauss, _NP_GAUSS.size)
         return
-    random.setstate((3, _WORDS.unpack(_hot.mt_words(seed64)) + (_MT_WORDS,), None))
+    random.setstate((3, _WORDS.unpack(_rng_memory.mt_words(seed64)) + (_MT_WORDS,), None))
     # A tuple of ints, not an array (NumPy's stubs ask for one): MT19937's setter
     # indexes the key word by word, 2 us instead of 34 us; the same state.
-    key = _WORDS.unpack(_hot.mt_words(seed64 ^ _NUMPY_SALT))
+    key = _WORDS.unpack(_rng_memory.mt_words(seed64 ^ _NUMPY_SALT))
     np.random.set_state(("MT19937", key, _MT_WORDS, 0, 0.0))  # type: ignore[arg-type]
 
 
@@ -288,10 +288,10 @@ def capture() -> bytes:
     t = _fast()
     if t is not None:
         inst, rs, bitgen = t
-        py = _hot.field_bytes(inst, _Layout.py_state, _MT_BYTES)
+        py = _rng_memory.field_bytes(inst, _Layout.py_state, _MT_BYTES)
         gauss_next = inst.gauss_next
-        npk = _hot.field_bytes(bitgen, _Layout.np_key, _MT_BYTES)
-        npg = _hot.field_bytes(rs, _Layout.np_gauss, _NP_GAUSS.size)
+        npk = _rng_memory.field_bytes(bitgen, _Layout.np_key, _MT_BYTES)
+        npg = _rng_memory.field_bytes(rs, _Layout.np_gauss, _NP_GAUSS.size)
     else:
         _, internal, gauss_next = random.getstate()
         py = struct.pack(f"=i{_MT_WORDS}I", internal[-1], *internal[:_MT_WORDS])
@@ -320,18 +320,18 @@ def capture_if_changed(last: bytes | None) -> bytes | None:
 def _unchanged(last: bytes, inst: Any, rs: Any, bitgen: Any) -> bool:
     gauss_next = inst.gauss_next
     p = _MT_BYTES
-    if not (_hot.field_equal(inst, _Layout.py_state, last, 0, _MT_BYTES)
+    if not (_rng_memory.field_equal(inst, _Layout.py_state, last, 0, _MT_BYTES)
             and last[p:p + _PY_GAUSS.size] == _PY_GAUSS.pack(gauss_next is not None, gauss_next or 0.0)):
         return False
     p += _PY_GAUSS.size
-    if not (_hot.field_equal(bitgen, _Layout.np_key, last, p, _MT_BYTES)
-            and _hot.field_equal(rs, _Layout.np_gauss, last, p + _MT_BYTES, _NP_GAUSS.size)):
+    if not (_rng_memory.field_equal(bitgen, _Layout.np_key, last, p, _MT_BYTES)
+            and _rng_memory.field_equal(rs, _Layout.np_gauss, last, p + _MT_BYTES, _NP_GAUSS.size)):
         return False
     torch = sys.modules.get("torch")
     if torch is None or not hasattr(torch, "default_generator"):
         return len(last) == _FIXED
     state = torch.default_generator.get_state()
-    return len(last) == _FIXED + state.nbytes and _hot.tensor_equal(state, last, _FIXED)
+    return len(last) == _FIXED + state.nbytes and _rng_memory.tensor_equal(state, last, _FIXED)
 
 
 def to_json(blob: bytes) -> dict:

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch.utils.data._utils import collate as _torch_collate
 
-from . import _hot
+from . import _columns
 
 #: ``alloc(shape, dtype) -> ndarray``: a writable, C-contiguous array (a slot view in a worker).
 Alloc = Callable[[tuple, Any], np.ndarray]
@@ -241,17 +241,17 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
         if _STR_OBJ.search(elem.dtype.str) is not None:
             raise TypeError(_ERR.format(elem.dtype))
         dtype, shape = elem.dtype, elem.shape
-        # The hot path: one C loop over exact ndarrays (mploader._hot), else set-based
+        # The hot path: one C loop over exact ndarrays (mploader._columns), else set-based
         # checks (np.memmap rows, ~0.1 us per sample).
         if dtype in _NP_TYPES_TORCH_TAKES and dtype.isnative and (
-                _hot.uniform_arrays(batch if type(batch) is list else list(batch))
+                _columns.uniform_arrays(batch if type(batch) is list else list(batch))
                 or (set(map(type, batch)) <= _PLAIN_ARRAYS and len({b.shape for b in batch}) == 1
                     and len({b.dtype for b in batch}) == 1)):
             if not elem.flags.writeable:  # torch's own warning about it (once per process), as torch.as_tensor
                 torch.as_tensor(elem)
             out = alloc((len(batch),) + shape, dtype)
             if out.size:
-                if shape and _hot.copy_rows(batch if type(batch) is list else list(batch), out):
+                if shape and _columns.copy_rows(batch if type(batch) is list else list(batch), out):
                     pass  # sample i at out[i]: memcpy or streaming stores (docs/design.md, "Collate into the slot")
                 elif shape:  # non-contiguous samples: NumPy's copy
                     np.concatenate(batch, axis=0, out=out.reshape((len(batch) * shape[0],) + shape[1:]),
@@ -264,10 +264,10 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
     if isinstance(elem, (np.bool_, np.number, np.object_)):
         if elem_type in _SCALARS_AS_THEIR_DTYPE:
             column = batch if type(batch) is list else list(batch)
-            number_dtype = _hot.number_column_dtype(column)   # None unless all are elem_type
+            number_dtype = _columns.number_column_dtype(column)   # None unless all are elem_type
             if number_dtype is not None:  # torch.as_tensor gives their own dtype: fill the slot in C
                 out = alloc((len(column),), number_dtype)
-                _hot.fill_numbers(column, out)
+                _columns.fill_numbers(column, out)
                 return out
         return _into(torch.as_tensor(batch), alloc)
     if isinstance(elem, float):
@@ -385,11 +385,11 @@ def _stack_tensors(batch: Any, alloc: Alloc) -> np.ndarray:
 
 def _stream_rows(leaves: Any, out: np.ndarray, dtype: torch.dtype, shape: Any) -> bool:
     """Copy ``leaves`` into the rows of ``out`` with streaming stores (True), as
-    :func:`mploader._hot.copy_rows` copies NumPy samples -- what ``torch.stack(leaves,
+    :func:`mploader._columns.copy_rows` copies NumPy samples -- what ``torch.stack(leaves,
     0, out=<tensor over out>)`` writes, bit for bit, for such leaves -- or write
     nothing and return False (the caller stacks with torch).
 
-    Only for an ``out`` of at least :data:`mploader._hot.STREAM_MIN_BYTES` (one
+    Only for an ``out`` of at least :data:`mploader._columns.STREAM_MIN_BYTES` (one
     ``large`` batch: 38.5 MB) of a NumPy dtype, and leaves that are all exact
     ``torch.Tensor`` of ``dtype`` and ``shape``: there ``torch.stack`` writes with
     ordinary stores, which first read every destination line into the cache
@@ -397,7 +397,7 @@ def _stream_rows(leaves: Any, out: np.ndarray, dtype: torch.dtype, shape: Any) -
     Declines where ``Tensor.numpy()`` refuses (RuntimeError: requires grad, conj or
     neg bit; TypeError: not on the CPU) and where ``copy_rows`` does (a leaf not
     C-contiguous): ``torch.stack`` then resolves or refuses them as torch does."""
-    if out.nbytes < _hot.STREAM_MIN_BYTES or out.dtype.names is not None:
+    if out.nbytes < _columns.STREAM_MIN_BYTES or out.dtype.names is not None:
         return False
     exact = torch.Tensor
     for t in leaves:
@@ -407,7 +407,7 @@ def _stream_rows(leaves: Any, out: np.ndarray, dtype: torch.dtype, shape: Any) -
         arrays = [t.numpy() for t in leaves]
     except (RuntimeError, TypeError):
         return False
-    return _hot.copy_rows(arrays, out)
+    return _columns.copy_rows(arrays, out)
 
 
 def _refuse_grad(batch: Any) -> None:
