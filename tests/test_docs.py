@@ -146,6 +146,14 @@ def _constant(name: str) -> list[tuple[str, object]]:
      r"`AUTO_PREFETCH_PER_WORKER \* num_workers`\] \((\d+) per worker\)", int),
     ("STREAM_MIN_BYTES", r"`_?\w*\.?STREAM_MIN_BYTES` \((\d+ [KM]iB)\)", _mib),
     ("SMALL_LEAF_BYTES", r"`mploader.torch.SMALL_LEAF_BYTES` \((\d+ [KM]iB)", _mib),
+    ("POLL_S", r"`POLL_S` = (\d+) ms", lambda ms: int(ms) / 1000),
+    ("FLOOR_S", r"`?FLOOR_S = (\d+) s", float),
+    ("P99_FACTOR", r"P99_FACTOR = (\d+) x p99", float),
+    ("WARMUP_BATCHES", r"`WARMUP_BATCHES = (\d+)`", int),
+    ("WARMUP_FLOOR_S", r"`WARMUP_FLOOR_S = (\d+) s`", float),
+    ("KIND_REPORT", r"`KIND_REPORT = (\d+)`", int),
+    ("MAX_SUBSTITUTES", r"`MAX_SUBSTITUTES = (\d+)`", int),
+    ("FRACTION_MIN_BAD", r"`FRACTION_MIN_BAD = (\d+)`", int),
 ])
 def test_design_md_figures_are_the_codes(name, pattern, parse):
     if name == "SMALL_LEAF_BYTES":
@@ -162,4 +170,7 @@ def test_faces_md_counts_the_faces():
     table = re.search(r"\| face \| tasks from \|.*?\n\n", _read("docs/design.md"), re.S)
     assert table, "docs/design.md lost its table of faces"
     rows = [r for r in table.group(0).splitlines()[2:] if r.startswith("|")]
-    assert count == len(rows) == 4
+    own = re.search(r"\| \| plans tasks from \|.*?\n\n", _read("docs/faces.md"), re.S)
+    assert own, "docs/faces.md lost its table of faces"
+    own_rows = [r for r in own.group(0).splitlines()[2:] if r.startswith("|")]
+    assert count == len(rows) == len(own_rows) == 4
