@@ -15,10 +15,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from . import _memops
+
 #: cudaHostRegisterPortable: the registration counts for every CUDA context.
 CUDA_HOST_REGISTER_PORTABLE = 1
-#: madvise(2) advice that undoes MADV_DONTFORK (include/uapi/asm-generic/mman-common.h).
-_MADV_DOFORK = 11
 
 
 def cuda_runtime(device_id: int) -> tuple[Any, Callable[[], Any]] | None:
@@ -36,17 +36,6 @@ def cuda_runtime(device_id: int) -> tuple[Any, Callable[[], Any]] | None:
         return torch.cuda.cudart(), lambda: torch.cuda.device(device_id)
     except Exception:  # noqa: BLE001 - a broken CUDA setup means: do not pin
         return None
-
-
-def _madvise_dofork(address: int, nbytes: int) -> None:
-    """Make sure workers forked later still inherit a registered range (some drivers
-    mark page-locked memory MADV_DONTFORK; the region is MAP_SHARED, so inheriting
-    it is safe).  Best effort: a failure leaves the range as the driver made it."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_DOFORK)
-    except (OSError, AttributeError):
-        pass
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -181,7 +170,10 @@ class HostPinner:
                           f"(cudaError {code}); batches are returned in unpinned memory", RuntimeWarning,
                           stacklevel=2)
             return None
-        _madvise_dofork(address, end - start)
+        # Workers forked later must still inherit the range (some drivers mark page-locked
+        # memory MADV_DONTFORK; the region is MAP_SHARED, so inheriting it is safe).  Best
+        # effort: a failure (its errno returned) leaves the range as the driver made it.
+        _memops.madvise_dofork(address, end - start)
         self._ranges.append(address)
         self._registered_bytes = end
         return end

@@ -44,3 +44,27 @@ def test_c_memops(tmp_path: Path) -> None:
     assert len(summary) == 1, report
     stats = dict(kv.split("=", 1) for kv in summary[0].split(": ", 1)[1].split())
     assert int(stats["copies"]) > 4000 and stats["dofork"] == "1", report
+
+
+def test_madvise_dofork_binding_returns_the_errno() -> None:
+    """mploader._memops.madvise_dofork (what the CUDA pinning calls on each registered
+    range): 0 on a mapped, page-aligned range; the errno of madvise(2) otherwise,
+    without raising (the caller's best effort)."""
+    import ctypes
+    import errno
+    import mmap
+
+    from mploader import _memops
+
+    page = mmap.PAGESIZE
+    m = mmap.mmap(-1, 2 * page)
+    try:
+        view = (ctypes.c_char * (2 * page)).from_buffer(m)
+        address = ctypes.addressof(view)
+        m.madvise(mmap.MADV_DONTFORK)
+        assert _memops.madvise_dofork(address, 2 * page) == 0
+        assert _memops.madvise_dofork(address + 1, page) == errno.EINVAL
+        del view
+    finally:
+        m.close()
+    assert _memops.madvise_dofork(0, page) == errno.ENOMEM  # page 0 is never mapped (vm.mmap_min_addr)

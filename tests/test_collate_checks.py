@@ -1,4 +1,4 @@
-"""The C checks behind default collation (mploader._hot: uniform_arrays,
+"""The C checks behind default collation (mploader._columns: uniform_arrays,
 number_column_dtype, fill_numbers), through ``_collate._asarray_into``, against
 NumPy itself: a column of samples batches as ``np.asarray`` makes it, or stays the
 list of its samples where NumPy can only make an object array or fails."""
@@ -121,15 +121,15 @@ def test_torch_face_scalar_columns_are_default_collates(name, mixed):
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "byte_offset"])
 @pytest.mark.parametrize("size", ["small", "large"])
 def test_columns_batch_as_numpy_does(dtype, layout, size):
-    """Columns are copied row by row in C (``_hot.copy_rows``: memcpy, or streaming
+    """Columns are copied row by row in C (``_columns.copy_rows``: memcpy, or streaming
     stores from STREAM_MIN_BYTES on) when the samples are C-contiguous and of the
     output's native dtype; whatever the path, the batch is what np.asarray makes of
     the samples (an odd row length checks the unaligned head and tail of each row's
     copy)."""
-    from mploader import _hot
+    from mploader import _columns
 
     n = 6
-    row = _hot.STREAM_MIN_BYTES // n + 13 if size == "large" else 8 * 37 + 13  # odd
+    row = _columns.STREAM_MIN_BYTES // n + 13 if size == "large" else 8 * 37 + 13  # odd
     count = row // np.dtype(dtype).itemsize
     rng = np.random.default_rng(3)
     base = rng.integers(0, 255, size=n * count * np.dtype(dtype).itemsize + 8, dtype=np.uint8)
@@ -143,24 +143,25 @@ def test_columns_batch_as_numpy_does(dtype, layout, size):
 
 
 def test_copy_rows_copies_uniform_rows_and_declines_what_it_cannot_copy():
-    from mploader import _hot
+    from mploader import _columns
 
-    big = _hot.STREAM_MIN_BYTES
+    big = _columns.STREAM_MIN_BYTES
     samples = [np.full(big // 4, k, np.uint8) for k in range(4)]
     out = np.empty((4, big // 4), np.uint8)
-    assert _hot.copy_rows(samples, out) is True                                 # streaming stores
+    assert _columns.copy_rows(samples, out) is True                                 # streaming stores
     np.testing.assert_array_equal(out, np.stack(samples))
     small = [np.arange(k, k + 16, dtype=np.float32) for k in range(32)]
     out = np.empty((32, 16), np.float32)
-    assert _hot.copy_rows(small, out) is True                                   # memcpy below the threshold
+    assert _columns.copy_rows(small, out) is True                                   # memcpy below the threshold
     np.testing.assert_array_equal(out, np.stack(small))
-    assert _hot.copy_rows(samples, np.empty((big // 4, 4), np.uint8).T) is False  # output not C-contiguous
+    assert _columns.copy_rows(samples, np.empty((big // 4, 4), np.uint8).T) is False  # output not C-contiguous
     swapped = [np.ones(big // 16, ">i4") for _ in range(4)]
-    assert _hot.copy_rows(swapped, np.empty((4, big // 16), "<i4")) is False    # a byte swap is a cast
-    assert _hot.copy_rows(samples[:3] + [np.ones(big // 4 - 1, np.uint8)], np.empty((4, big // 4), np.uint8)) is False
-    assert _hot.copy_rows([s[::2] for s in small], np.empty((32, 8), np.float32)) is False  # samples not contiguous
-    assert _hot.copy_rows(small, np.empty((32, 16), np.float64)) is False       # another dtype: a cast
-    assert _hot.copy_rows([], np.empty((0, 16), np.float32)) is False
+    assert _columns.copy_rows(swapped, np.empty((4, big // 16), "<i4")) is False    # a byte swap is a cast
+    assert _columns.copy_rows(samples[:3] + [np.ones(big // 4 - 1, np.uint8)],
+                              np.empty((4, big // 4), np.uint8)) is False
+    assert _columns.copy_rows([s[::2] for s in small], np.empty((32, 8), np.float32)) is False  # samples not contiguous
+    assert _columns.copy_rows(small, np.empty((32, 16), np.float64)) is False       # another dtype: a cast
+    assert _columns.copy_rows([], np.empty((0, 16), np.float32)) is False
 
 
 def test_timedelta_scalars_of_mixed_units_batch_as_numpy_converts_them():

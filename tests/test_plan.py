@@ -1,4 +1,4 @@
-"""Batch plans (mploader._plan, _hot.BatchPlan): a batch written by a plan is the
+"""Batch plans (mploader._plan, _columns.BatchPlan): a batch written by a plan is the
 batch the face's rule makes of its samples, whatever the samples do -- the same
 structure again, or a sample that differs in type, dtype, shape, length or layout
 anywhere in the batch (then the generic path writes it, in the same slot, over
@@ -18,8 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mploader
+from mploader import _columns, _plan, _ring
 from mploader import _descriptor as D
-from mploader import _hot, _plan, _ring
+from mploader._worker import Batches
 from mploader.dataloader import BatchifyFetch
 
 try:
@@ -44,35 +45,37 @@ def gluon_numpy(samples):
 
 
 class OneSlot:
-    """A one-slot region and one worker's planner; :meth:`load` runs a batch the way
-    ``mploader._worker._loop`` does and returns (the decoded batch, whether a plan
-    wrote it)."""
+    """A one-slot region and one worker's batch steps (``mploader._worker.Batches``,
+    what ``_loop`` runs); :meth:`load` runs a batch the way the loop does and returns
+    (the decoded batch, whether a plan wrote it)."""
 
     def __init__(self, slot_bytes=1 << 16, fetch=None):
         self.region = _ring.create_region(1, slot_bytes)
-        self.fetch = BatchifyFetch(None) if fetch is None else fetch
-        self.planner = self.fetch.make_planner()
+        self.batches = Batches(BatchifyFetch(None) if fetch is None else fetch)
+        self.planner = self.batches.planner
         self.seq = 0
         self.before_learning = None   # runs between a generic batch's publication and learn()
+
+    @staticmethod
+    def _send(data):
+        raise AssertionError("the batch went through the pipe, not the slot")
 
     def load(self, samples):
         self.seq += 1
         self.region.assign(0, self.seq)
-        writer = D.SlotWriter(self.region, 0, self.seq)
+        writer = self.batches.writer(self.region, 0, self.seq)
         try:
-            batch = self.fetch.planned(samples, range(len(samples)), writer, self.planner)
+            batch, planned = self.batches.make(samples, range(len(samples)), writer)
         except Exception:
             self.region.publish(0, _ring.KIND_ERROR, 0, 0)  # as the worker: the slot carries the error
             self.region.wait(0, 0)  # the lease, dropped at once: the slot is free again
             raise
-        planned = batch is _plan.PUBLISHED
         if not planned:
-            writer.keep_descriptor = self.planner.pending is not None   # as the worker loop
-            assert writer.finish(batch) is None
+            self.batches.deliver(self._send, writer, self.seq, _ring.KIND_SLOT, batch)
             del batch
             if self.before_learning is not None:
                 self.before_learning()
-            self.planner.learn(writer)
+            self.batches.learn(writer)
         lease = self.region.wait(0, 0)
         got = D.decode(lease, lease.desc_off, lease.desc_len, copy=True)
         del lease
@@ -263,9 +266,9 @@ def test_learning_stops_when_every_batch_has_another_structure(slot):
 
 def test_batch_plan_refuses_a_column_that_overlaps_the_descriptor():
     with pytest.raises(ValueError, match="field 0"):
-        _hot.BatchPlan(4, False, [(_hot.PLAN_KINDS["int"], int, None, (), 8, 0)], b"x" * 8, 16)
+        _columns.BatchPlan(4, False, [(_columns.PLAN_KINDS["int"], int, None, (), 8, 0)], b"x" * 8, 16)
     with pytest.raises(ValueError, match="one field"):
-        _hot.BatchPlan(4, False, [(_hot.PLAN_KINDS["int"], int, None, (), 8, 0)] * 2, b"", 64)
+        _columns.BatchPlan(4, False, [(_columns.PLAN_KINDS["int"], int, None, (), 8, 0)] * 2, b"", 64)
 
 
 def test_a_loader_with_structures_changing_mid_epoch_gives_gluons_batches():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import mploader
-from mploader import _hot, _rng_state, _worker
+from mploader import _rng_memory, _rng_state, _worker
 
 MASK64 = (1 << 64) - 1
 NUMPY_SALT = 0x6E756D7079
@@ -95,7 +95,7 @@ def test_the_generators_get_the_documented_states(seed, path):
 
 def test_mt_words_is_the_documented_rule():
     for seed in (0, 7, 2**40 + 3, MASK64):
-        assert list(np.frombuffer(_hot.mt_words(seed), dtype=np.uint32)) == splitmix_words(seed)
+        assert list(np.frombuffer(_rng_memory.mt_words(seed), dtype=np.uint32)) == splitmix_words(seed)
 
 
 def test_fast_path_and_fallback_give_identical_states_and_draws():
@@ -135,7 +135,7 @@ def test_the_interpreter_is_checked_before_any_object_memory_is_read(monkeypatch
         raise AssertionError("object memory read on an interpreter that is not CPython")
 
     for name in ("object_bytes", "field_bytes", "field_equal", "mt_seed", "field_clear", "state_offset"):
-        monkeypatch.setattr(_hot, name, no_reads)
+        monkeypatch.setattr(_rng_memory, name, no_reads)
     monkeypatch.setattr(sys, "implementation", types.SimpleNamespace(name="pypy"))
     with caplog.at_level(logging.INFO, logger="mploader"):
         assert _rng_state.path() == "fallback"
@@ -162,8 +162,8 @@ def test_without_the_gil_the_fallback_is_used(monkeypatch):
 def test_a_layout_that_fails_its_check_is_not_used_and_is_logged_once(monkeypatch, caplog):
     """A struct whose bytes are not where the search found them (here: the copy read
     for the search is shifted by 4 bytes) fails the check against getstate()."""
-    real = _hot.object_bytes
-    monkeypatch.setattr(_hot, "object_bytes", lambda obj: b"\0\0\0\0" + real(obj))
+    real = _rng_memory.object_bytes
+    monkeypatch.setattr(_rng_memory, "object_bytes", lambda obj: b"\0\0\0\0" + real(obj))
     with caplog.at_level(logging.INFO, logger="mploader"):
         assert _rng_state.path() == "fallback"
         assert _rng_state.path() == "fallback"
@@ -203,32 +203,32 @@ def test_hot_takes_objects_and_offsets_inside_them():
     size = type(r).__basicsize__
     with pytest.raises(ValueError, match=f"offset must leave 2500 bytes inside a Random \\({size} bytes\\), "
                                          f"got {size - 100}"):
-        _hot.mt_seed(r, size - 100, 1, True)
+        _rng_memory.mt_seed(r, size - 100, 1, True)
     with pytest.raises(ValueError, match="offset must leave 16 bytes inside a Random .*, got -1"):
-        _hot.field_clear(r, -1, 16)
+        _rng_memory.field_clear(r, -1, 16)
     with pytest.raises(ValueError, match="at must leave 8 bytes inside 4 bytes of data, got 0"):
-        _hot.field_equal(r, 0, b"abcd", 0, 8)
+        _rng_memory.field_equal(r, 0, b"abcd", 0, 8)
     with pytest.raises(TypeError, match="tensor must be a torch.Tensor, got bytes"):
-        _hot.tensor_equal(b"xyz", b"abcd", 0)
+        _rng_memory.tensor_equal(b"xyz", b"abcd", 0)
     bitgen = np.random.MT19937(5)
-    offset = _hot.state_offset(bitgen)
-    assert _hot.field_bytes(bitgen, offset, 4) == np.uint32(bitgen.state["state"]["key"][0]).tobytes()
+    offset = _rng_memory.state_offset(bitgen)
+    assert _rng_memory.field_bytes(bitgen, offset, 4) == np.uint32(bitgen.state["state"]["key"][0]).tobytes()
     with pytest.raises(AttributeError):
-        _hot.state_offset(r)
+        _rng_memory.state_offset(r)
 
 
 def test_tensor_equal_compares_a_cpu_tensor_in_place():
     torch = pytest.importorskip("torch")
     t = torch.arange(5, dtype=torch.uint8)
     data = b"ab" + bytes(range(5))
-    assert _hot.tensor_equal(t, data, 2) and not _hot.tensor_equal(t, data, 1)
-    assert _hot.tensor_equal(torch.arange(3, dtype=torch.int32), b"".join(
+    assert _rng_memory.tensor_equal(t, data, 2) and not _rng_memory.tensor_equal(t, data, 1)
+    assert _rng_memory.tensor_equal(torch.arange(3, dtype=torch.int32), b"".join(
         int(i).to_bytes(4, sys.byteorder) for i in range(3)), 0)
     with pytest.raises(ValueError, match="at must leave 5 bytes inside 7 bytes of data, got 3"):
-        _hot.tensor_equal(t, data, 3)
+        _rng_memory.tensor_equal(t, data, 3)
     with pytest.raises(ValueError, match=r"tensor must be a contiguous CPU tensor, got one on cpu \(contiguous: "
                                          r"False\)"):
-        _hot.tensor_equal(torch.arange(6, dtype=torch.uint8).reshape(2, 3).t(), data, 0)
+        _rng_memory.tensor_equal(torch.arange(6, dtype=torch.uint8).reshape(2, 3).t(), data, 0)
 
 
 # ---- the loaders ----
