@@ -3,7 +3,7 @@ exists, and every figure the reference docs quote from a constant is the constan
 
 The reference docs (docs/design.md, docs/bench.md, docs/faces.md) say what is true now;
 the journals (docs/design-log.md, docs/bench-log.md) what was measured when (issue 21
-s6).  A constant quoted in a reference doc is pinned here: the doc's figure is read
+s6).  A constant quoted in a reference doc or the README is pinned here: the doc's figure is read
 from the doc's text and compared with the value imported from the code, so changing
 either alone fails this test."""
 from __future__ import annotations
@@ -138,29 +138,35 @@ def _constant(name: str) -> list[tuple[str, object]]:
     return found
 
 
-@pytest.mark.parametrize("name, pattern, parse", [
-    ("MAX_PLANS", r"`MAX_PLANS` \((\d+)\)", int),
-    ("MAX_UNUSED_PLANS", r"`MAX_UNUSED_PLANS` \((\d+)\)", int),
-    ("SMALL_BATCHES_BYTES", r"`SMALL_BATCHES_BYTES // batch_bytes` \((\d+ [KM]iB)\)", _mib),
-    ("AUTO_PREFETCH_PER_WORKER",
+@pytest.mark.parametrize("doc, name, pattern, parse", [
+    ("design.md", "MAX_PLANS", r"`MAX_PLANS` \((\d+)\)", int),
+    ("design.md", "MAX_UNUSED_PLANS", r"`MAX_UNUSED_PLANS` \((\d+)\)", int),
+    ("design.md", "SMALL_BATCHES_BYTES", r"`SMALL_BATCHES_BYTES // batch_bytes` \((\d+ [KM]iB)\)", _mib),
+    ("design.md", "AUTO_PREFETCH_PER_WORKER",
      r"`AUTO_PREFETCH_PER_WORKER \* num_workers`\] \((\d+) per worker\)", int),
-    ("STREAM_MIN_BYTES", r"`_?\w*\.?STREAM_MIN_BYTES` \((\d+ [KM]iB)\)", _mib),
-    ("SMALL_LEAF_BYTES", r"`mploader.torch.SMALL_LEAF_BYTES` \((\d+ [KM]iB)", _mib),
-    ("POLL_S", r"`POLL_S` = (\d+) ms", lambda ms: int(ms) / 1000),
-    ("FLOOR_S", r"`?FLOOR_S = (\d+) s", float),
-    ("P99_FACTOR", r"P99_FACTOR = (\d+) x p99", float),
-    ("WARMUP_BATCHES", r"`WARMUP_BATCHES = (\d+)`", int),
-    ("WARMUP_FLOOR_S", r"`WARMUP_FLOOR_S = (\d+) s`", float),
-    ("KIND_REPORT", r"`KIND_REPORT = (\d+)`", int),
-    ("MAX_SUBSTITUTES", r"`MAX_SUBSTITUTES = (\d+)`", int),
-    ("FRACTION_MIN_BAD", r"`FRACTION_MIN_BAD = (\d+)`", int),
+    ("design.md", "STREAM_MIN_BYTES", r"`_?\w*\.?STREAM_MIN_BYTES` \((\d+ [KM]iB)\)", _mib),
+    ("design.md", "SMALL_LEAF_BYTES", r"`mploader.torch.SMALL_LEAF_BYTES` \((\d+ [KM]iB)", _mib),
+    ("design.md", "POLL_S", r"`POLL_S` = (\d+) ms", lambda ms: int(ms) / 1000),
+    ("design.md", "FLOOR_S", r"`?FLOOR_S = (\d+) s", float),
+    ("design.md", "P99_FACTOR", r"P99_FACTOR = (\d+) x p99", float),
+    ("design.md", "WARMUP_BATCHES", r"`WARMUP_BATCHES = (\d+)`", int),
+    ("design.md", "WARMUP_FLOOR_S", r"`WARMUP_FLOOR_S = (\d+) s`", float),
+    ("design.md", "KIND_REPORT", r"`KIND_REPORT = (\d+)`", int),
+    ("design.md", "MAX_SUBSTITUTES", r"`MAX_SUBSTITUTES = (\d+)`", int),
+    ("design.md", "FRACTION_MIN_BAD", r"`FRACTION_MIN_BAD = (\d+)`", int),
+    ("../README.md", "AUTO_PREFETCH_PER_WORKER", r"while batches are small up to (\d+) per worker", int),
+    ("../README.md", "SMALL_BATCHES_BYTES", r"as long as they take at most (\d+ [KM]iB) together", _mib),
+    ("../README.md", "FLOOR_S", r"`max\((\d+) s, \d+ x the p99 batch time\)`", float),
+    ("../README.md", "P99_FACTOR", r"`max\(\d+ s, (\d+) x the p99 batch time\)`", float),
+    ("../README.md", "WARMUP_FLOOR_S", r"(\d+) s until \d+ batches were timed", float),
+    ("../README.md", "WARMUP_BATCHES", r"\d+ s until (\d+) batches were timed", int),
 ])
-def test_design_md_figures_are_the_codes(name, pattern, parse):
+def test_quoted_figures_are_the_codes(doc, name, pattern, parse):
     if name == "SMALL_LEAF_BYTES":
         pytest.importorskip("torch")
-    figure = parse(_figure("design.md", pattern))
+    figure = parse(_figure(doc, pattern))
     for module, value in _constant(name):
-        assert figure == value, f"docs/design.md says {name} is {figure}, {module} has {value}"
+        assert figure == value, f"docs/{doc} says {name} is {figure}, {module} has {value}"
 
 
 def test_faces_md_counts_the_faces():
