@@ -12,7 +12,7 @@ parent takes for such a batch, into 5 rotating pre-faulted slot-sized buffers (t
 ring's 5 slots for large batches), by one process and by two at once (the bus shared
 as by two workers):
 
-* ``copy_rows``: ``mploader._hot.copy_rows`` (streaming stores): the Gluon face's and
+* ``copy_rows``: ``mploader._columns.copy_rows`` (streaming stores): the Gluon face's and
   the torch face's copy of numpy samples into the slot;
 * ``np.take``: one gather with ordinary stores (numpy's memcpy per row);
 * ``torch.stack``: ``torch.stack(tensors, out=slot tensor)``: the torch face's copy of
@@ -82,7 +82,7 @@ def _read_all(a: np.ndarray) -> int:
 def _steps(ds: Any, n: int, seed: int) -> dict[str, float]:
     import torch
 
-    from mploader import _hot
+    from mploader import _columns
     from mploader._torch_collate import to_tensors
 
     torch.set_num_threads(1)  # as in a loader's worker (and no OpenMP pool to break by forking)
@@ -96,20 +96,20 @@ def _steps(ds: Any, n: int, seed: int) -> dict[str, float]:
     tensors = [torch.from_numpy(v) for v in views]
     idx = rng.integers(0, len(ds.pool), size=(n + 2, bs))
     out: dict[str, float] = {}
-    out["copy_rows"] = _median_us(lambda k: _hot.copy_rows([views[i] for i in idx[k]], slots[k % SLOTS]), n)
+    out["copy_rows"] = _median_us(lambda k: _columns.copy_rows([views[i] for i in idx[k]], slots[k % SLOTS]), n)
     out["np.take"] = _median_us(lambda k: np.take(rows, idx[k], axis=0, mode="clip",
                                                   out=slots[k % SLOTS].reshape(bs, -1)), n)
     out["torch.stack"] = _median_us(lambda k: torch.stack([tensors[i] for i in idx[k]], 0,
                                                           out=tslots[k % SLOTS]), n)
     out["copy_rows(t.numpy())"] = _median_us(
-        lambda k: _hot.copy_rows([tensors[i].numpy() for i in idx[k]], slots[k % SLOTS]), n)
+        lambda k: _columns.copy_rows([tensors[i].numpy() for i in idx[k]], slots[k % SLOTS]), n)
     labels = np.arange(bs, dtype=np.int64)
     out["to_tensors"] = _median_us(lambda k: to_tensors((slots[k % SLOTS], labels)), n)
 
     def fresh_then(read: Any) -> Any:
         def step(k: int) -> None:
             s = slots[k % SLOTS]
-            _hot.copy_rows([views[i] for i in idx[k]], s)  # written with streaming stores: not cached
+            _columns.copy_rows([views[i] for i in idx[k]], s)  # written with streaming stores: not cached
             t0 = time.perf_counter()
             read(s)
             step.took.append(time.perf_counter() - t0)  # type: ignore[attr-defined]

@@ -8,9 +8,9 @@ style (samples of tensors, :class:`mploader_bench.peers_torch.TensorSamples`), 2
 workers.  ``A`` is the library as it is: the batch plan fills a tensor column with
 ``torch.stack(leaves, 0, out=slot tensor)`` (ordinary stores).  ``B`` patches the
 worker's ``plan_tensor_column`` (before the workers fork; the library's files are not
-changed) so that a column of at least ``mploader._hot.STREAM_MIN_BYTES`` whose leaves
+changed) so that a column of at least ``mploader._columns.STREAM_MIN_BYTES`` whose leaves
 are all exact CPU tensors of the plan's shape and dtype goes through
-``_hot.copy_rows([t.numpy() for t in leaves], dest)`` -- the streaming copy the
+``_columns.copy_rows([t.numpy() for t in leaves], dest)`` -- the streaming copy the
 numpy path uses -- and falls back to ``torch.stack`` otherwise (``t.numpy()`` raises
 for a tensor that requires grad, has its conj/neg bit set or is not on the CPU;
 ``copy_rows`` declines another dtype or a non-contiguous leaf).  A and B alternate; every batch is checked
@@ -31,9 +31,9 @@ from mploader_bench.synthetic import make_dataset
 def _patched_plan(original: Any) -> Any:
     import torch
 
-    from mploader import _hot
+    from mploader import _columns
 
-    stream_min = _hot.STREAM_MIN_BYTES
+    stream_min = _columns.STREAM_MIN_BYTES
     exact = torch.Tensor
 
     def plan_tensor_column(leaf: Any, out: np.ndarray, batch_size: int) -> Any:
@@ -48,7 +48,7 @@ def _patched_plan(original: Any) -> Any:
                     arrays = [t.numpy() for t in leaves]  # RuntimeError: grad, conj, neg; TypeError: device
                 except (RuntimeError, TypeError):
                     arrays = None
-                if arrays is not None and _hot.copy_rows(arrays, dest):
+                if arrays is not None and _columns.copy_rows(arrays, dest):
                     return True
             return fill(leaves, dest)
         return streaming_fill

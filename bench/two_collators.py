@@ -10,7 +10,7 @@ suite's pool of at least 4 x the last-level cache); the journal's runs of
 Each process builds batches of the suite's ``large`` dataset (256 x (224, 224, 3)
 uint8 images and their labels) into 4 rotating, pre-faulted output buffers, as a
 loader's workers write rotating slots, with ordinary stores (``np.concatenate``) or
-with streaming stores (``mploader._hot.copy_rows``).  Printed: batches/s of one
+with streaming stores (``mploader._columns.copy_rows``).  Printed: batches/s of one
 process alone and of two at once (their sum).  The transport suite's collate-limit
 row writes one buffer again and again (partly from the cache) and its "2-core limit"
 is twice that one process; this script shows what two cores really reach together
@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from mploader import _hot
+from mploader import _columns
 from mploader_bench.transport import _Batches, make_dataset
 
 
@@ -39,7 +39,7 @@ def _collate(queue: mp.Queue, stream: bool, seed: int, n: int, cache: str) -> No
         samples = [ds[i] for i in indices]
         column = [s[0] for s in samples]
         out = images[k % 4]
-        if not (stream and _hot.copy_rows(column, out)):
+        if not (stream and _columns.copy_rows(column, out)):
             np.concatenate(column, axis=0, out=out.reshape((-1,) + shape[1:]))
         labels[k % 4][:] = [s[1] for s in samples]
 

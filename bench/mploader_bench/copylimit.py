@@ -15,8 +15,8 @@ Two ways to copy are measured and the faster one is the limit:
     :func:`numpy.take` of the batch's rows (``mode="clip"``: unbuffered), a
     ``memcpy`` per row with ordinary stores;
 ``stream``
-    only for batches of at least ``mploader._hot.STREAM_MIN_BYTES`` (4 MiB): the
-    rows copied with streaming stores by ``mploader._hot.copy_rows``, as the ring's
+    only for batches of at least ``mploader._columns.STREAM_MIN_BYTES`` (4 MiB): the
+    rows copied with streaming stores by ``mploader._columns.copy_rows``, as the ring's
     workers write such batches.  Streaming stores skip reading the destination's
     lines first, so the faster copy is the fair limit where a loader uses them.
 """
@@ -40,12 +40,12 @@ _REPLY_TIMEOUT_S = 300.0
 def stream_min_bytes() -> int | None:
     """Batch bytes from which mploader writes with streaming stores (None: it does not here)."""
     try:
-        from mploader import _hot
+        from mploader import _columns
     except ImportError:
         return None
-    if not getattr(_hot, "HAVE_STREAM", True):
+    if not getattr(_columns, "HAVE_STREAM", True):
         return None
-    return int(getattr(_hot, "STREAM_MIN_BYTES", 4 << 20))
+    return int(getattr(_columns, "STREAM_MIN_BYTES", 4 << 20))
 
 
 def copy_batches(rows: np.ndarray, indices: np.ndarray, arena: np.ndarray, count: int, *,
@@ -82,12 +82,12 @@ def copy_batches(rows: np.ndarray, indices: np.ndarray, arena: np.ndarray, count
         for k in range(start, start + count):
             np.take(rows, indices[k % n_idx], axis=0, out=arena[k % n_buf], mode="clip")
     elif method == "stream":
-        from mploader import _hot
+        from mploader import _columns
 
         vs = list(rows) if views is None else views
         for k in range(start, start + count):
-            if not _hot.copy_rows([vs[i] for i in indices[k % n_idx].tolist()], arena[k % n_buf]):
-                raise ValueError("copy_batches: method='stream': mploader._hot.copy_rows declined "
+            if not _columns.copy_rows([vs[i] for i in indices[k % n_idx].tolist()], arena[k % n_buf]):
+                raise ValueError("copy_batches: method='stream': mploader._columns.copy_rows declined "
                                  f"rows of shape {rows.shape[1:]} dtype {rows.dtype}")
     else:
         raise ValueError(f"copy_batches: method={method!r}: expected 'take' or 'stream'")
