@@ -180,3 +180,20 @@ def test_faces_md_counts_the_faces():
     assert own, "docs/faces.md lost its table of faces"
     own_rows = [r for r in own.group(0).splitlines()[2:] if r.startswith("|")]
     assert count == len(rows) == len(own_rows) == 4
+
+
+def test_readme_names_every_dependency():
+    """The README's install paragraph names each runtime dependency of pyproject.toml."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        tomllib = pytest.importorskip("tomli")
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        deps = tomllib.load(f)["project"]["dependencies"]
+    text = _flat(_read("README.md"))
+    m = re.search(r"Installing the library alone \(.*?\) needs only (.*?);", text)
+    assert m, "README lost its 'Installing the library alone' sentence"
+    for dep in deps:
+        name = re.split(r"[<>=!~ \[]", dep, maxsplit=1)[0]
+        assert name.lower() in m.group(1).lower(), f"README's install sentence does not name {name}"
+
