@@ -1,6 +1,6 @@
 """How the parent waits: a wait clock that does not count time the process was
 stopped, and the spin-before-sleep policy.  (The parent's steps that an interrupt
-must not split are single C calls in ``mploader._hot``.)
+must not split are single C calls in ``mploader._steps``.)
 
 docs/design.md, "Faults", says why each exists.
 """
