@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _diagnose, _engine, _hot, _metrics, _state
+from . import _diagnose, _engine, _metrics, _state, _steps
 from ._chainer_inline import InlineLoader, InlineRun, fetch_examples
 from ._chainer_state import OrderSampler, ShuffleOrderSampler, State, plan
 from ._errors import is_batch_error, warn_at_caller
@@ -57,7 +57,7 @@ def _on_slow(seq: int, waited_s: float) -> None:
 
 class _Unlocked:
     """``MultiprocessIterator._gen``: an iterator whose ``__next__`` is the iterator's
-    body (``_hot.serial_next`` calls it with the iterator's lock held)."""
+    body (``_steps.serial_next`` calls it with the iterator's lock held)."""
 
     __slots__ = ("it",)
 
@@ -251,7 +251,7 @@ class MultiprocessIterator:
         self._seed = options.base_seed
         self._engine_lock = threading.Lock()   # making and closing the engine
         # One next() at a time (threads sharing the iterator: each batch once, in
-        # order), by _hot.serial_next: _mpl_next with _lock held, released in C.
+        # order), by _steps.serial_next: _mpl_next with _lock held, released in C.
         self._lock = threading.Lock()
         self._gen = _Unlocked(weakref.ref(self))   # (weak: no iterator <-> body cycle)
         self._progress = None
@@ -364,10 +364,10 @@ class MultiprocessIterator:
 
     #: :meth:`_mpl_next` with the iterator's lock held (threads sharing the iterator
     #: get each batch once, in order); the lock is released in C.
-    __next__ = _hot.serial_next
+    __next__ = _steps.serial_next
 
     def _ended(self, exc: BaseException) -> None:
-        """(``_hot.serial_next``'s hook for the run's exceptions: nothing to do here.)"""
+        """(``_steps.serial_next``'s hook for the run's exceptions: nothing to do here.)"""
 
     def _mpl_next(self) -> list:
         """``next(iterator)``: return the next batch (a list of ``batch_size`` examples, fewer at the end
@@ -412,7 +412,7 @@ class MultiprocessIterator:
         self._previous_epoch_detail = self.epoch_detail
         self._state = state
 
-    next = _hot.serial_next
+    next = _steps.serial_next
 
     def __iter__(self) -> MultiprocessIterator:
         return self

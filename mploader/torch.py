@@ -41,7 +41,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import IterableDataset, default_collate, default_convert, get_worker_info
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import _bad_samples, _diagnose, _engine, _hot, _metrics, _options, _pinning, _torch_state
+from . import _bad_samples, _diagnose, _engine, _metrics, _options, _pinning, _steps, _torch_state
 from ._errors import add_note
 from ._torch_collate import to_tensors, unpack
 from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, PACKED, CapturingFetch, Fetch, WorkerInit
@@ -455,7 +455,7 @@ class _RingIter(_BaseDataLoaderIter):
         self._run: Any = None
         self._mpl_streams: _torch_state.WorkerStreams | None = None
         self._mpl_ended = False    # StopIteration was raised (again on every later next())
-        # One next() at a time (threads sharing the iterator), by _hot.serial_next:
+        # One next() at a time (threads sharing the iterator), by _steps.serial_next:
         # the lock is released in C, so no signal handler runs between the batch's
         # leaving the run and the caller's having it (as the Gluon face's).
         self._lock = threading.Lock()
@@ -541,10 +541,10 @@ class _RingIter(_BaseDataLoaderIter):
 
     #: ``_mpl_next`` with ``_lock`` held (threads sharing the iterator: each batch
     #: once, in order), through ``_gen``; the lock is released in C.
-    __next__ = _hot.serial_next
+    __next__ = _steps.serial_next
 
     def _ended(self, exc: BaseException) -> None:
-        """(``_hot.serial_next``'s hook for the run's exceptions: nothing to do here.)"""
+        """(``_steps.serial_next``'s hook for the run's exceptions: nothing to do here.)"""
 
     def _mpl_next(self) -> Any:
         # torch's __next__ opens a record_function span around every batch, which costs
@@ -610,7 +610,7 @@ class _RingIter(_BaseDataLoaderIter):
 
 class _Unlocked:
     """``_RingIter._gen``: an iterator whose ``__next__`` is the ring iterator's body
-    (``_hot.serial_next`` calls it with the iterator's lock held)."""
+    (``_steps.serial_next`` calls it with the iterator's lock held)."""
 
     __slots__ = ("it",)
 
