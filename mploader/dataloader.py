@@ -7,7 +7,7 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from . import _bad_samples, _diagnose, _engine, _hot, _metrics, _pinning, _state
+from . import _bad_samples, _diagnose, _engine, _metrics, _pinning, _state, _steps
 from ._collate import Alloc, collate_gluon
 from ._errors import is_batch_error
 from ._executors import START_METHODS
@@ -433,7 +433,7 @@ class _LoaderIter:
     # The next batch with the lock held (threads sharing the iterator: each batch
     # once, in order), counted in the progress: in C, so that from the run to the
     # caller the batch passes through no Python frame, where an interrupt would drop it.
-    __next__ = _hot.serial_next
+    __next__ = _steps.serial_next
 
     def _ended(self, exc: BaseException) -> None:
         """``serial_next``'s hook: the run raised ``exc`` (before it propagates)."""
