@@ -193,7 +193,7 @@ class SlotWriter:
         return None
 
     def publish_plan(self, plan: Any) -> None:
-        """Publish the batch that ``plan`` (a :class:`mploader._hot.BatchPlan`) has just
+        """Publish the batch that ``plan`` (a :class:`mploader._columns.BatchPlan`) has just
         written into this slot with ``plan.fill``."""
         self.region.publish(self.slot, _ring.KIND_SLOT, self.flags, plan.total, plan.desc_off, len(plan.descriptor))
         self.sizing.note(plan.total)

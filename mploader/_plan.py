@@ -4,7 +4,7 @@ A worker's first batch of a structure goes the generic way: the face's collate r
 writes through ``SlotWriter.alloc``, ``SlotWriter.finish`` encodes the descriptor.
 :meth:`Planner.learn` then records, from that batch, where each field's column lies
 in the payload and the descriptor bytes.  Every later batch of the same batch size
-is offered to :meth:`Planner.publish` first: :meth:`mploader._hot.BatchPlan.fill`
+is offered to :meth:`Planner.publish` first: :meth:`mploader._columns.BatchPlan.fill`
 checks each sample against the plan (exact types, dtypes, shapes) while it copies
 it into its column, writes the recorded descriptor and the slot is published.  A
 batch that does not match goes the generic way, in the same slot, and its
@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _hot
+from . import _columns
 
 __all__ = ["PUBLISHED", "Plan", "Planner", "make_plan"]
 
@@ -49,11 +49,11 @@ MAX_UNUSED_PLANS = 8
 MAX_PLANS = 8
 
 _SCALAR_TYPES = (np.number, np.bool_)
-_KINDS = _hot.PLAN_KINDS
+_KINDS = _columns.PLAN_KINDS
 
 
 def _field(leaf: Any, out: Any, batch_size: int, handed: dict) -> tuple | None:
-    """``leaf``'s field entry for :class:`mploader._hot.BatchPlan` when its column
+    """``leaf``'s field entry for :class:`mploader._columns.BatchPlan` when its column
     is the array ``out`` that ``alloc`` handed out, else None."""
     if type(out) is not np.ndarray:
         return None
@@ -66,7 +66,7 @@ def _field(leaf: Any, out: Any, batch_size: int, handed: dict) -> tuple | None:
     t = type(leaf)
     if t is np.ndarray:
         if (leaf.dtype != dtype or out.shape != (batch_size,) + leaf.shape or not leaf.flags.c_contiguous
-                or leaf.ndim > _hot.PLAN_DIMS):
+                or leaf.ndim > _columns.PLAN_DIMS):
             return None
         return (_KINDS["array"], t, dtype, leaf.shape, leaf.nbytes, offset)
     if out.shape != (batch_size,):
@@ -95,7 +95,7 @@ OtherColumn = Callable[[Any, np.ndarray, int], Callable[[list, np.ndarray], bool
 
 
 class Plan:
-    """A :class:`mploader._hot.BatchPlan`, the columns a face fills itself, and the
+    """A :class:`mploader._columns.BatchPlan`, the columns a face fills itself, and the
     length of the descriptor's tail: the bytes of one ``bytes`` leaf that change
     with every batch (the torch face's RNG states), the last of the descriptor."""
 
@@ -159,7 +159,7 @@ def make_plan(samples: list, collated: Any, writer: Any, other: OtherColumn | No
         if field is None:
             return None
         fields.append(field)
-    return Plan(_hot.BatchPlan(batch_size, in_tuple, fields, descriptor, desc_off), in_tuple, columns,
+    return Plan(_columns.BatchPlan(batch_size, in_tuple, fields, descriptor, desc_off), in_tuple, columns,
                 len(tail) if tail else 0)
 
 
