@@ -62,7 +62,7 @@ def tasks(n, size=2, **extra):
 
 
 # The record layout written from docs/design.md ("Wire protocol"), independently of
-# mploader._hot: frame length (big-endian), header, payload.
+# mploader._protocol: frame length (big-endian), header, payload.
 _SPEC_HEADER = struct.Struct("<qqqqII")
 _INT64, _PICKLE, _RETIRE = 1, 2, 4
 
