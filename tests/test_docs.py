@@ -108,6 +108,43 @@ def test_reference_and_journal_are_apart():
         assert not re.search(r"^#+ .*\b20\d\d-\d\d-\d\d\b", ref, re.M), "a dated heading in a reference doc"
 
 
+def _test_functions() -> dict[str, set[str]]:
+    """Every test function of tests/ and bench/tests/ by name -> the files defining it."""
+    found: dict[str, set[str]] = {}
+    paths = glob.glob(os.path.join(REPO, "tests", "*.py")) + glob.glob(os.path.join(REPO, "bench", "tests", "*.py"))
+    for path in paths:
+        for m in re.finditer(r"^\s*(?:async )?def (test_\w+)", _read(os.path.relpath(path, REPO)), re.M):
+            found.setdefault(m.group(1), set()).add(os.path.basename(path))
+    return found
+
+
+def test_every_test_the_docs_name_exists():
+    """`test_x.py::test_name`, `::test_name` (same file as the name before it) and a bare
+    `test_name` in the docs and the README name a test that exists, in that file (the
+    Faults table names the test of each case)."""
+    defs = _test_functions()
+    files = {f for names in defs.values() for f in names}
+    token = re.compile(r"`((?:tests/)?test_\w+\.py)?(::)?(test_\w+)?")
+    seen, stale = 0, []
+    for doc in ("docs/design.md", "docs/faces.md", "docs/metrics.md", "docs/bench.md", "README.md"):
+        last = None
+        for m in token.finditer(_read(doc)):
+            path, sep, name = m.groups()
+            if not (path or name):
+                continue
+            seen += 1
+            where = os.path.basename(path) if path else (last if sep else None)
+            last = where if path else last
+            if where is not None and where not in files:
+                stale.append(f"{doc}: {where} does not exist")
+            elif name and name not in defs:
+                stale.append(f"{doc}: no test {name}")
+            elif name and where is not None and where not in defs[name]:
+                stale.append(f"{doc}: {name} is in {sorted(defs[name])}, not {where}")
+    assert seen >= 100, f"only {seen} test names found: the pattern no longer matches the docs"
+    assert not stale, "\n".join(stale)
+
+
 # ---- figures the reference quotes from constants ----
 
 def _figure(doc: str, pattern: str) -> str:
