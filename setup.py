@@ -36,15 +36,6 @@ scan = Extension(
     extra_compile_args=C_FLAGS,
 )
 
-# The per-batch bookkeeping (task records, signal mask, pipe writes): plain Cython.
-hot = Extension(
-    "mploader._hot",
-    sources=["mploader/_hot.pyx"],
-    include_dirs=[numpy.get_include()],  # the collation checks read arrays' shape and dtype
-    define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
-    extra_compile_args=C_FLAGS,
-)
-
 # The per-batch steps at C speed, one module per role (each plain Cython over the C
 # library; the numpy ones read arrays' shape and dtype through NumPy's C API).
 NUMPY_C = {"include_dirs": ["csrc", numpy.get_include()],
@@ -65,5 +56,5 @@ roles = [
               include_dirs=["csrc"], extra_compile_args=C_FLAGS),
 ]
 
-setup(ext_modules=cythonize([ext, scan, hot, *roles], language_level=3,
+setup(ext_modules=cythonize([ext, scan, *roles], language_level=3,
                            compiler_directives={"boundscheck": False, "wraparound": False}))
