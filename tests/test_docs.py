@@ -126,7 +126,7 @@ def test_every_test_the_docs_name_exists():
     files = {f for names in defs.values() for f in names}
     token = re.compile(r"`((?:tests/)?test_\w+\.py)?(::)?(test_\w+)?")
     seen, stale = 0, []
-    for doc in ("docs/design.md", "docs/faces.md", "docs/metrics.md", "docs/bench.md", "README.md"):
+    for doc in REFERENCE:
         last = None
         for m in token.finditer(_read(doc)):
             path, sep, name = m.groups()
@@ -143,6 +143,43 @@ def test_every_test_the_docs_name_exists():
                 stale.append(f"{doc}: {name} is in {sorted(defs[name])}, not {where}")
     assert seen >= 100, f"only {seen} test names found: the pattern no longer matches the docs"
     assert not stale, "\n".join(stale)
+
+
+REFERENCE = ("docs/design.md", "docs/faces.md", "docs/metrics.md", "docs/bench.md", "README.md")
+
+
+def _module_source(module: str) -> str | None:
+    for ext in (".py", ".pyx", ".pxi", ".pxd"):
+        path = os.path.join(REPO, "mploader", module + ext)
+        if os.path.exists(path):
+            return _read(os.path.relpath(path, REPO))
+    return None
+
+
+def test_every_module_name_and_path_the_reference_names_exists():
+    """`_module.name` (or `mploader._module.name`) in a reference doc names a module of
+    mploader that has that name, and every path it gives (mploader/..., csrc/...,
+    tests/c/..., bench/...) exists: a module split or a rename shows here, not in a
+    reader's search.  The journals keep the names of their day."""
+    stale, seen = [], 0
+    for doc in REFERENCE:
+        text = _read(doc)
+        for m in re.finditer(r"`(?:mploader\.)?(_[a-z_]+)\.([A-Za-z_]\w*)", text):
+            module, name = m.groups()
+            if name in ("py", "pyx", "pxd", "pxi", "pyi", "c", "h"):
+                continue
+            seen += 1
+            source = _module_source(module)
+            if source is None:
+                stale.append(f"{doc}: no module mploader.{module} (for {module}.{name})")
+            elif not re.search(rf"\b{name}\b", source):
+                stale.append(f"{doc}: mploader.{module} has no {name}")
+        for m in re.finditer(r"((?:mploader|csrc|tests/c|bench)/[\w/]+\.(?:pyx|pyi|pxd|pxi|py|c|h))\b", text):
+            seen += 1
+            if not os.path.exists(os.path.join(REPO, m.group(1))):
+                stale.append(f"{doc}: {m.group(1)} does not exist")
+    assert seen >= 100, f"only {seen} references found: the patterns no longer match the docs"
+    assert not stale, "\n".join(sorted(set(stale)))
 
 
 # ---- figures the reference quotes from constants ----
