@@ -1,7 +1,7 @@
 """Large tensor columns of the torch face copied with streaming stores (issue 24).
 
 A column of at least ``STREAM_MIN_BYTES`` whose leaves are all exact CPU tensors of
-the first leaf's dtype and shape is written by ``_hot.copy_rows`` over the leaves'
+the first leaf's dtype and shape is written by ``_columns.copy_rows`` over the leaves'
 NumPy views instead of ``torch.stack``; every other column, and every leaf that
 ``Tensor.numpy()`` or ``copy_rows`` refuses, goes through ``torch.stack`` as before.
 The reference is ``torch.utils.data.default_collate`` run as in a torch worker, and
@@ -24,14 +24,14 @@ from _torch_util import as_torch_worker, assert_same_batch  # noqa: E402
 from torch.utils.data import default_collate  # noqa: E402
 
 import mploader.torch as mpt  # noqa: E402
-from mploader import _hot, _torch_collate  # noqa: E402
+from mploader import _columns, _torch_collate  # noqa: E402
 from mploader._torch_collate import collate_into, plan_tensor_column, raw_dtype, to_tensors  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
 #: 8 samples of 128 x 1024 float32 (512 KiB): a column of exactly STREAM_MIN_BYTES.
 B, SHAPE = 8, (128, 1024)
-assert B * SHAPE[0] * SHAPE[1] * 4 == _hot.STREAM_MIN_BYTES  # the cases below sit at the threshold
+assert B * SHAPE[0] * SHAPE[1] * 4 == _columns.STREAM_MIN_BYTES  # the cases below sit at the threshold
 
 
 def rows(dtype=torch.float32, shape=SHAPE, n=B):
@@ -45,13 +45,13 @@ class Spy:
 
     def __init__(self, monkeypatch):
         self.results = []
-        real = _hot.copy_rows
+        real = _columns.copy_rows
 
         def copy_rows(samples, out):
             done = real(samples, out)
             self.results.append(done)
             return done
-        monkeypatch.setattr(_hot, "copy_rows", copy_rows)
+        monkeypatch.setattr(_columns, "copy_rows", copy_rows)
 
 
 def alloc(shape, dtype):
