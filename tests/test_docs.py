@@ -182,6 +182,23 @@ def test_every_module_name_and_path_the_reference_names_exists():
     assert not stale, "\n".join(sorted(set(stale)))
 
 
+def test_metrics_md_documents_every_key_stats_returns():
+    """docs/metrics.md's tables name every key of a loader's ``stats()``, and no key
+    that ``stats()`` lacks (the Gluon face, one forked worker, after an epoch)."""
+    import numpy as np
+
+    import mploader
+
+    documented = set()
+    for row in re.findall(r"^\| (`[^|]+) \|", _read("docs/metrics.md"), re.M):
+        documented.update(re.findall(r"`(\w+)`", row))
+    with mploader.DataLoader(np.arange(8), batch_size=2, num_workers=1) as loader:
+        assert sum(len(b) for b in loader) == 8
+        keys = set(loader.stats())
+    assert not keys - documented, f"stats() keys missing from docs/metrics.md: {sorted(keys - documented)}"
+    assert not documented - keys, f"docs/metrics.md keys stats() lacks: {sorted(documented - keys)}"
+
+
 # ---- figures the reference quotes from constants ----
 
 def _figure(doc: str, pattern: str) -> str:
