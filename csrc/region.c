@@ -8,7 +8,9 @@
  * Payload ranges are carved from the file by a bump allocator (ctl->file_end) so a
  * slot can be given a bigger range later (mpl_slot_grow) without moving the
  * mapping: the whole reservation is mapped once, the file only grows inside it,
- * and every process that inherited the mapping sees the new pages.
+ * and every process that inherited the mapping sees the new pages.  A range, once
+ * carved, stays its slot's (hdr->span) until the slot needs a bigger one, so a
+ * slot shrunk after an outlier grows again in place (ring.c, mpl_slot_grow).
  */
 #define _GNU_SOURCE
 #include "ring_impl.h"
@@ -148,7 +150,9 @@ int mpl_region_create(mpl_region *r, uint32_t nslots, uint64_t slot_bytes, uint6
         atomic_init(&h->state, MPL_FREE);
         h->meta.offset = first_payload + (uint64_t)i * slot_stride;
         h->meta.capacity = slot_stride;
+        h->span = slot_stride;
     }
+    atomic_init(&c->pinned, 0);
     return MPL_OK;
 }
 
@@ -284,6 +288,19 @@ void mpl_region_note_size(mpl_region *r, uint64_t need) {
 void mpl_region_set_size_hint(mpl_region *r, uint64_t n) {
     /* Relaxed: a hint, publishes nothing else. */
     atomic_store_explicit(&ctl_of(r)->size_hint, n, memory_order_relaxed);
+}
+
+void mpl_region_set_pinned(mpl_region *r) {
+    /* Release pairs with the acquire load in mpl_slot_grow (ring.c, own_span): a
+     * worker that grows after reading 1 takes fresh ranges only.  The caller sets
+     * it before the first page is registered, so a range a worker punched and
+     * faulted in again before reading 1 was faulted in before the registration. */
+    atomic_store_explicit(&ctl_of(r)->pinned, 1, memory_order_release);
+}
+
+int mpl_region_pinned(const mpl_region *r) {
+    /* Acquire: pairs with the release store above (a test or diagnostic read). */
+    return (int)atomic_load_explicit(&ctl_of(r)->pinned, memory_order_acquire);
 }
 
 uint64_t mpl_region_wake_count(const mpl_region *r) {

@@ -235,6 +235,7 @@ int mpl_slot_take(mpl_region *r, uint32_t slot, int64_t timeout_ns, int64_t spin
          * its next worker grows it.  Offset payload_off with capacity 0 is valid. */
         h->meta.offset = r->payload_off;
         h->meta.capacity = 0;
+        h->span = 0;
     }
     h->meta.used = 0;
     h->meta.desc_off = 0;
@@ -286,6 +287,8 @@ uint32_t mpl_slot_word(const mpl_region *r, uint32_t slot) {
 
 mpl_slot_meta *mpl_slot_meta_of(mpl_region *r, uint32_t slot) { return &hdr_of(r, slot)->meta; }
 
+uint64_t mpl_slot_span(const mpl_region *r, uint32_t slot) { return hdr_of(r, slot)->span; }
+
 uint8_t *mpl_slot_payload(mpl_region *r, uint32_t slot) { return r->base + hdr_of(r, slot)->meta.offset; }
 
 /* ---- worker side ---- */
@@ -306,6 +309,7 @@ int mpl_slot_begin(mpl_region *r, uint32_t slot, uint64_t seq) {
     if (mpl_slot_check_range(r, h->meta.offset, h->meta.capacity) != MPL_FIELD_NONE) {
         h->meta.offset = r->payload_off;
         h->meta.capacity = 0;
+        h->span = 0;
         return MPL_ECORRUPT;
     }
     return MPL_OK;
@@ -316,6 +320,23 @@ static int held_assigned(mpl_slot_hdr *h) {
     return (atomic_load_explicit(&h->state, memory_order_acquire) & MPL_STATE_MASK) == MPL_ASSIGNED;
 }
 
+/* The range the slot owns, for a grow in place: its span when that is a sane range
+ * of this mapping (a stray writer may have changed it; then only the capacity, which
+ * mpl_slot_begin checked, is trusted), and never more than the capacity in a pinned
+ * region.  The caller holds the slot ASSIGNED. */
+static uint64_t own_span(mpl_region *r, const mpl_slot_hdr *h) {
+    const mpl_slot_meta *m = &h->meta;
+    /* Acquire: pairs with the release store of mpl_region_set_pinned, which the
+     * parent makes before it registers the first page (region.c). */
+    if (atomic_load_explicit(&ctl_of(r)->pinned, memory_order_acquire))
+        return m->capacity;
+    uint64_t span = h->span;
+    if (span <= m->capacity || span % MPL_PAGE != 0 ||
+        mpl_slot_check_range(r, m->offset, span) != MPL_FIELD_NONE)
+        return m->capacity;
+    return span;
+}
+
 int mpl_slot_grow(mpl_region *r, uint32_t slot, uint64_t need, uint64_t preserve) {
     if (slot >= r->nslots)
         return MPL_EINVAL;
@@ -323,6 +344,37 @@ int mpl_slot_grow(mpl_region *r, uint32_t slot, uint64_t need, uint64_t preserve
     if (!held_assigned(h))
         return MPL_ESTATE;
     mpl_slot_meta *m = &h->meta;
+    if (need > r->reserve_bytes) /* no range can hold it; also keeps round_up from wrapping */
+        return MPL_ENOSPACE;
+    uint64_t cap = round_up(need ? need : MPL_PAGE, MPL_PAGE);
+    uint64_t span = own_span(r, h);
+    if (cap <= span) {
+        /* In place (docs/design.md, "Growth"): [offset, offset + span) is ours and
+         * inside the file (own_span checked it against the file's size), so mode 0
+         * allocates the holes past the capacity and never extends the file; the first
+         * min(capacity, cap) bytes, hence the preserved ones, do not move. */
+        if (cap > m->capacity) {
+            uint64_t from = m->offset + m->capacity, n = cap - m->capacity;
+            if (fallocate(r->fd, 0, (off_t)from, (off_t)n) != 0)
+                return MPL_ESYS;
+            if (mpl__populate(r->base + from, n) != MPL_OK) {
+                int e = errno;
+                (void)fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)from, (off_t)n);
+                errno = e;
+                return MPL_ESYS;
+            }
+        } else if (cap < m->capacity) {
+            /* Past the new capacity the span holds holes only (the invariant a
+             * later grow relies on to find zero cost there); a failed punch only
+             * keeps memory. */
+            (void)fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(m->offset + cap),
+                            (off_t)(m->capacity - cap));
+        }
+        m->capacity = cap;
+        m->grow_count++;
+        mpl_region_note_size(r, need);
+        return MPL_OK;
+    }
     if (preserve > m->capacity)
         preserve = m->capacity;
     if (preserve > need)
@@ -335,11 +387,13 @@ int mpl_slot_grow(mpl_region *r, uint32_t slot, uint64_t need, uint64_t preserve
         memcpy(r->base + off, r->base + m->offset, preserve);
     /* Give the old range's memory back to the kernel; the file keeps its size. No
      * lease can point into it: leases only exist for LEASED slots, and this one is
-     * ASSIGNED to us. */
-    if (m->capacity)
-        (void)fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)m->offset, (off_t)m->capacity);
+     * ASSIGNED to us.  Its address space is not reused (the bump allocator only
+     * hands out fresh ranges). */
+    if (span)
+        (void)fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)m->offset, (off_t)span);
     m->offset = off;
-    m->capacity = round_up(need ? need : MPL_PAGE, MPL_PAGE);
+    m->capacity = cap; /* mpl__carve rounded `need` up the same way */
+    h->span = cap;
     m->grow_count++;
     mpl_region_note_size(r, need);
     return MPL_OK;

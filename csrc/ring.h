@@ -43,7 +43,7 @@ enum {
 #define MPL_MAX_RESERVE_BYTES (1ull << 46)  /* 64 TiB of address space (x86-64 user space is 128 TiB) */
 #define MPL_DEFAULT_RESERVE_BYTES (16ull << 30)
 #define MPL_MAGIC 0x6d706c72696e6731ull   /* "mplring1", first word of the control block */
-#define MPL_LAYOUT_VERSION 2u               /* bump when mpl_ctl or the slot header changes */
+#define MPL_LAYOUT_VERSION 3u               /* bump when mpl_ctl or the slot header changes */
 
 /* What a READY slot carries (mpl_slot_meta.kind). */
 enum {
@@ -155,6 +155,17 @@ void mpl_region_note_size(mpl_region *r, uint64_t need);
 /* Set the hint to `n`, lower or higher (the outlier policy lowers it). */
 void mpl_region_set_size_hint(mpl_region *r, uint64_t n);
 
+/* Mark the region's pages as possibly page-locked by someone else (the pinning
+ * module's cudaHostRegister): the pin holds the physical pages it found, so a
+ * page punched out and faulted in again would no longer be the page the device
+ * reads.  From then on mpl_slot_grow never faults in a punched range again: a slot
+ * that needs more than its capacity takes a fresh range of the reservation (its
+ * span is not reused), as before spans existed.  Call it in the parent before the
+ * first page is registered; idempotent, cannot fail. */
+void mpl_region_set_pinned(mpl_region *r);
+/* 1 once mpl_region_set_pinned was called (in any process), else 0. */
+int mpl_region_pinned(const mpl_region *r);
+
 /* How many FUTEX_WAKE calls publishers of this region made (statistics, tests). */
 uint64_t mpl_region_wake_count(const mpl_region *r);
 
@@ -218,6 +229,11 @@ uint32_t mpl_slot_word(const mpl_region *r, uint32_t slot);
  * and by the worker while it holds the slot ASSIGNED. */
 mpl_slot_meta *mpl_slot_meta_of(mpl_region *r, uint32_t slot);
 
+/* Bytes of address space the slot owns at meta->offset (its span, >= capacity;
+ * docs/design.md, "Growth").  Read by the holder of the slot's write right, and by
+ * tests. */
+uint64_t mpl_slot_span(const mpl_region *r, uint32_t slot);
+
 /* Payload pointer of a slot (base + meta->offset). */
 uint8_t *mpl_slot_payload(mpl_region *r, uint32_t slot);
 
@@ -229,20 +245,28 @@ uint8_t *mpl_slot_payload(mpl_region *r, uint32_t slot);
  * (offset payload_off, capacity 0; mpl_slot_grow still works). */
 int mpl_slot_begin(mpl_region *r, uint32_t slot, uint64_t seq);
 
-/* Give an ASSIGNED slot a new payload range of at least `need` bytes, copying the
- * first min(preserve, need, old capacity) bytes of the old payload into it and
- * releasing the old range's memory.  Address space is never reused: a region
- * grown many times can exhaust its reservation although little memory is in use.
+/* Give an ASSIGNED slot a payload of round_up(need, page) bytes (a page for 0)
+ * whose first min(preserve, need, old capacity) bytes are those of the old payload
+ * (docs/design.md, "Growth").  In place when that fits the address range the slot
+ * owns (its span: what it was last given, kept by mpl_slot_shrink, mpl_slot_trim and
+ * a smaller grow): the added pages are allocated and faulted in, pages past the new
+ * capacity are given back, offset stays, no address space is used.  Otherwise a
+ * fresh range is carved from the reservation, the preserved bytes copied into it,
+ * and the old range's memory released (its address space is not reused).  So a
+ * slot uses address space for the largest payload it ever held, not once per grow.
+ * In a pinned region (mpl_region_set_pinned) only a smaller grow stays in place.
  * grow_count counts every grow of this slot since creation.  Returns 0,
- * MPL_ENOSPACE (reservation exhausted; the slot is unchanged), MPL_ESTATE (the
- * slot is not ASSIGNED) or MPL_ESYS. */
+ * MPL_ENOSPACE (a fresh range was needed and the reservation is exhausted; the slot
+ * is unchanged), MPL_ESTATE (the slot is not ASSIGNED) or MPL_ESYS (errno set; the
+ * slot is unchanged). */
 int mpl_slot_grow(mpl_region *r, uint32_t slot, uint64_t need, uint64_t preserve);
 
 /* Shrink an ASSIGNED slot's payload in place to round_up(need, page) bytes (0
  * allowed), returning the tail's memory to the kernel (FALLOC_FL_PUNCH_HOLE).  The
- * first `need` bytes stay where they are; no address space is used.  A `need` at
- * or above the capacity changes nothing.  Returns 0, MPL_ESTATE (not ASSIGNED) or
- * MPL_ESYS (the slot is unchanged). */
+ * first `need` bytes stay where they are; no address space is used, and the slot
+ * keeps its whole range (span), so a later mpl_slot_grow up to the span happens in
+ * place.  A `need` at or above the capacity changes nothing.  Returns 0, MPL_ESTATE
+ * (not ASSIGNED) or MPL_ESYS (errno set; the slot is unchanged). */
 int mpl_slot_shrink(mpl_region *r, uint32_t slot, uint64_t need);
 
 /* Parent side, on a FREE slot (docs/design.md, "Slot protocol", trim): give the

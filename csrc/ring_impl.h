@@ -14,11 +14,21 @@
 #define MPL_CACHE_LINE 64
 #define MPL_PAGE 4096ull
 
-/* One slot header: the state word alone on the first cache line (the only word
- * both sides touch concurrently), the metadata on the second. */
+/* One slot header: the state word on the first cache line (the only word both
+ * sides touch concurrently), the metadata on the second.
+ *
+ * `span` shares the state word's line: the bytes of address space the slot owns
+ * at meta.offset (docs/design.md, "Growth": capacity <= span; the pages in
+ * [offset + capacity, offset + span) are holes).  It is not atomic: like the meta,
+ * only the holder of the slot's write right (the state word) writes it, and only
+ * when the slot takes a fresh range or its range is reset, which is rare, so it
+ * adds no traffic to the state word's line in the steady state.  It is kept out of
+ * mpl_slot_meta because the parent never reads it through a lease. */
 typedef struct mpl_slot_hdr {
     _Alignas(MPL_CACHE_LINE) _Atomic uint32_t state;
-    char pad_[MPL_CACHE_LINE - sizeof(uint32_t)];
+    uint32_t pad0_;
+    uint64_t span;
+    char pad_[MPL_CACHE_LINE - 2 * sizeof(uint64_t)];
     _Alignas(MPL_CACHE_LINE) mpl_slot_meta meta;
 } mpl_slot_hdr;
 
@@ -39,6 +49,9 @@ typedef struct mpl_ctl {
     _Alignas(MPL_CACHE_LINE) _Atomic uint64_t size_hint;
     /* FUTEX_WAKE calls made by publishers (statistics; only touched when waking). */
     _Alignas(MPL_CACHE_LINE) _Atomic uint64_t wakes;
+    /* 1 once mpl_region_set_pinned was called: a punched range is never faulted in
+     * again (mpl_slot_grow takes fresh ranges only).  Written once by the parent. */
+    _Alignas(MPL_CACHE_LINE) _Atomic uint32_t pinned;
 } mpl_ctl;
 
 _Static_assert(sizeof(mpl_ctl) <= MPL_PAGE, "control block fits its page");

@@ -113,6 +113,32 @@ cdef class Region:
         """FUTEX_WAKE system calls publishers made (only when the parent slept on the slot)."""
         return mpl_region_wake_count(&self.r) if self.r.base != NULL else 0
 
+    @property
+    def pinned(self):
+        """True once :meth:`set_pinned` was called (in any process mapping the region)."""
+        return bool(mpl_region_pinned(&self.r)) if self.r.base != NULL else False
+
+    def set_pinned(self):
+        """Declare that the region's pages may be page-locked (``cudaHostRegister``).
+
+        A lock holds the physical pages it found, so a page given back and faulted
+        in again would no longer be the one the device reads: from now on a slot
+        that grows past its capacity takes a fresh range of the reservation instead
+        of growing in place into its own given-back range (docs/design.md,
+        "Growth").  Call it before the first page is registered.  Idempotent.
+        """
+        self._check(0)
+        mpl_region_set_pinned(&self.r)
+
+    def span(self, uint32_t slot):
+        """Bytes of address space ``slot`` owns at its payload offset (>= its capacity).
+
+        The range the slot was last given; shrinking and trimming keep it, so the
+        slot grows again in place up to it (docs/design.md, "Growth").
+        """
+        self._check(slot)
+        return mpl_slot_span(&self.r, slot)
+
     def note_size(self, uint64_t need):
         """Raise the size hint to ``need`` bytes (no-op if already larger)."""
         self._check(0)
@@ -360,9 +386,14 @@ cdef class Region:
         return (<size_t>(self.r.base + m.offset), m.capacity)
 
     def grow(self, uint32_t slot, uint64_t need, uint64_t preserve=0):
-        """Give the ASSIGNED slot a new payload range of >= ``need`` bytes, copying ``preserve`` bytes.
+        """Give the ASSIGNED slot a payload of ``need`` bytes rounded up to 4 KiB whose
+        first ``preserve`` bytes are those of the old payload.
 
-        Returns False when the region's reservation is exhausted (slot unchanged).
+        In place when that fits the range the slot owns (:meth:`span`: kept by a
+        shrink or trim after an outlier), with no address space used; else in a
+        fresh range of the reservation (docs/design.md, "Growth").  Returns False
+        when a fresh range was needed and the reservation is exhausted (slot
+        unchanged).  Raises SlotStateError (not ASSIGNED) or OSError.
         """
         self._check(slot)
         cdef int rc
@@ -379,8 +410,9 @@ cdef class Region:
 
         Smaller (``need`` <= capacity): shrinks in place to ``need`` rounded up to
         4 KiB, the first ``need`` bytes untouched, the tail's memory returned to the
-        kernel; no address space is used.  Larger: as :meth:`grow`.  Returns False
-        only when a grow finds the reservation exhausted (slot unchanged).
+        kernel; the slot keeps its range (:meth:`span`), so growing it again later
+        uses no address space.  Larger: as :meth:`grow`.  Returns False only when a
+        grow finds the reservation exhausted (slot unchanged).
         """
         self._check(slot)
         cdef int rc

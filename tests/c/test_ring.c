@@ -34,6 +34,7 @@
  */
 #define _GNU_SOURCE
 #include "ring.h"
+#include "ring_impl.h" /* white-box: contract_span breaks a slot's span (hdr_of) */
 
 #include <dirent.h>
 #include <errno.h>
@@ -281,6 +282,8 @@ typedef struct {
     int two_grows;     /* grow to a midpoint first, then to the target */
     uint32_t kind, flags;
     uint64_t desc_off, desc_len;
+    int shrink;        /* shrink the slot to shrink_to first (keeps its span: a later grow is in place) */
+    uint64_t shrink_to;
 } plan_t;
 
 static plan_t make_plan(uint64_t seed, uint64_t seq, uint64_t max_need, uint64_t grow_pct) {
@@ -304,7 +307,16 @@ static plan_t make_plan(uint64_t seed, uint64_t seq, uint64_t max_need, uint64_t
     p.flags = rng_below(&g, 2) ? MPL_FLAG_INBAND : 0;
     p.desc_off = rng_below(&g, p.need + 1);
     p.desc_len = rng_below(&g, p.need - p.desc_off + 1);
+    p.shrink = rng_below(&g, 100) < 15;
+    p.shrink_to = rng_below(&g, 3 * 4096);
     return p;
+}
+
+static uint64_t page_up(uint64_t n) { return (n + 4095) / 4096 * 4096; }
+
+/* The capacity a worker grows from for `pl`: the slot's after the planned shrink. */
+static uint64_t cap_after_shrink(const plan_t *pl, uint64_t cap) {
+    return pl->shrink && pl->shrink_to < cap ? page_up(pl->shrink_to) : cap;
 }
 
 /* The grows a worker does for `pl` on a slot of capacity `cap`: 0, 1 or 2. */
@@ -349,6 +361,15 @@ static uint32_t run_batch(mpl_region *r, const cfg_t *cfg, uint64_t seq, uint32_
     uint64_t key = pat_key(cfg->seed, seq);
     uint64_t cap = m->capacity;
     CHECK(mpl_slot_payload(r, slot) == r->base + m->offset, "payload pointer is not base + offset");
+    if (pl.shrink) {
+        uint64_t off = m->offset, span = mpl_slot_span(r, slot);
+        CHECK_RC(mpl_slot_shrink(r, slot, pl.shrink_to), MPL_OK);
+        CHECK(m->capacity == cap_after_shrink(&pl, cap) && m->offset == off && mpl_slot_span(r, slot) == span,
+              "seq %" PRIu64 ": shrink(%" PRIu64 ") of %" PRIu64 "/span %" PRIu64 " left %" PRIu64 "/span %" PRIu64
+              " at offset %+" PRId64,
+              seq, pl.shrink_to, cap, span, m->capacity, mpl_slot_span(r, slot), (int64_t)(m->offset - off));
+        cap = m->capacity;
+    }
     uint32_t grows = planned_grows(&pl, cap);
     uint64_t written = 0;
     if (grows) {
@@ -621,7 +642,12 @@ static void contract_grow(void) {
     pat_fill(mpl_slot_payload(&r, 1), 0, 100, key);
     do_grow(&r, 1, 1, 300000, 100, key);
     pat_fill(mpl_slot_payload(&r, 1), 100, 300000, key);
-    do_grow(&r, 1, 1, 5000, 5000, key); /* smaller than the current capacity: still a new range */
+    uint64_t off300k = m->offset;
+    do_grow(&r, 1, 1, 5000, 5000, key); /* smaller than the current capacity: in place, the tail given back */
+    CHECK(m->offset == off300k && m->capacity == 8192 && mpl_slot_span(&r, 1) == page_up(300000),
+          "grow to 5000 from 300000: [%" PRIu64 ", +%" PRIu64 ") span %" PRIu64 ", expected [%" PRIu64
+          ", +8192) span %" PRIu64,
+          m->offset, m->capacity, mpl_slot_span(&r, 1), off300k, page_up(300000));
     CHECK(m->grow_count == gc0 + 3, "grow_count %u after 3 grows from %u", m->grow_count, gc0);
     CHECK(m->offset >= hend, "grown payload overlaps the headers");
     CHECK(mpl_region_size_hint(&r) >= 300000, "size hint %" PRIu64 " after a grow to 300000",
@@ -1353,6 +1379,123 @@ static void contract_shrink(void) {
     mpl_region_unmap(&r);
 }
 
+/* ---- spans: a shrunk slot grows again in place --------------------------------- */
+
+/* One batch in slot 0 of `r` for seq: begin, optionally shrink to `shrink_to` first
+ * (UINT64_MAX: no shrink), grow to `need`, fill, publish, take, check, release. */
+static void span_batch(mpl_region *r, uint64_t seq, uint64_t shrink_to, uint64_t need) {
+    uint64_t key = pat_key(21, seq);
+    mpl_slot_meta *m = mpl_slot_meta_of(r, 0);
+    CHECK_RC(mpl_slot_assign(r, 0, seq), MPL_OK);
+    CHECK_RC(mpl_slot_begin(r, 0, seq), MPL_OK);
+    if (shrink_to != UINT64_MAX)
+        CHECK_RC(mpl_slot_shrink(r, 0, shrink_to), MPL_OK);
+    if (need > m->capacity)
+        do_grow(r, 0, seq, need, 0, key);
+    pat_fill(mpl_slot_payload(r, 0), 0, need, key);
+    CHECK_RC(mpl_slot_publish(r, 0, MPL_KIND_SLOT, 0, need, 0, 0), MPL_OK);
+    mpl_slot_meta snap;
+    uint32_t bad = 99;
+    CHECK_RC(mpl_slot_take(r, 0, 0, 0, &snap, &bad), MPL_OK);
+    CHECK(bad == MPL_FIELD_NONE && snap.used == need, "seq %" PRIu64 ": take refused field %u", seq, bad);
+    CHECK(pat_bad(mpl_slot_payload(r, 0), 0, need, key) < 0, "seq %" PRIu64 ": payload wrong at the parent", seq);
+    CHECK_RC(mpl_slot_release(r, 0), MPL_OK);
+}
+
+/* Issue 26: each outlier used to take a fresh range of the reservation, because the
+ * slot was shrunk after it and grown again for the next one.  Now the slot keeps its
+ * range (span) through shrink and trim and grows in place up to it: 400 outliers in a
+ * 16 MiB reservation, which 400 fresh ranges of 256 KiB would overflow 6 times. */
+static void contract_span(void) {
+    snprintf(g_who, sizeof g_who, "contract/span");
+    const uint64_t BIG = 256u << 10;
+    mpl_region r;
+    int rc = mpl_region_create(&r, 2, 0, 16u << 20);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(2, 0, 16 MiB) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    mpl_slot_meta *m = mpl_slot_meta_of(&r, 0);
+    CHECK(mpl_slot_span(&r, 0) == 0 && m->capacity == 0, "fresh empty slot: span %" PRIu64, mpl_slot_span(&r, 0));
+    span_batch(&r, 1, UINT64_MAX, BIG); /* the first outlier: a fresh range */
+    uint64_t off = m->offset, span = mpl_slot_span(&r, 0), fb = mpl_region_file_bytes(&r);
+    CHECK(span == BIG && m->capacity == span, "after a 256 KiB grow: capacity %" PRIu64 " span %" PRIu64,
+          m->capacity, span);
+    for (uint64_t seq = 2; seq < 802; seq++) {
+        /* odd: a small batch after shrinking the outlier's slot (the worker's policy);
+         * even: the next outlier, grown in place (the parent trims before, sometimes) */
+        int outlier = seq % 2 == 0;
+        if (outlier && seq % 6 == 0)
+            CHECK_RC(mpl_slot_trim(&r, 0, 0), MPL_OK);
+        uint64_t alloc = file_alloc_bytes(r.fd);
+        span_batch(&r, seq, outlier ? UINT64_MAX : 4096, outlier ? BIG - 4096 * (seq % 4) : 100);
+        CHECK(m->offset == off && mpl_slot_span(&r, 0) == span, "seq %" PRIu64 ": range moved to [%" PRIu64
+              ", span %" PRIu64 ") from [%" PRIu64 ", span %" PRIu64 ")", seq, m->offset, mpl_slot_span(&r, 0),
+              off, span);
+        if (!outlier)
+            CHECK(m->capacity == 4096 && file_alloc_bytes(r.fd) + BIG - 4 * 4096 <= alloc,
+                  "seq %" PRIu64 ": shrink kept capacity %" PRIu64 " and gave back %" PRId64 " bytes", seq,
+                  m->capacity, (int64_t)alloc - (int64_t)file_alloc_bytes(r.fd));
+    }
+    CHECK(mpl_region_file_bytes(&r) == fb, "400 outliers used %" PRIu64 " bytes of address space",
+          mpl_region_file_bytes(&r) - fb);
+    /* beyond the span: a fresh range of exactly the new capacity, the old range given back */
+    uint64_t alloc = file_alloc_bytes(r.fd);
+    span_batch(&r, 900, 4096, (2u << 20) + 1);
+    CHECK(m->offset >= off + span && mpl_slot_span(&r, 0) == (2u << 20) + 4096 && m->capacity == (2u << 20) + 4096,
+          "grow past the span: [%" PRIu64 ", +%" PRIu64 ") span %" PRIu64, m->offset, m->capacity,
+          mpl_slot_span(&r, 0));
+    CHECK(file_alloc_bytes(r.fd) <= alloc + (2u << 20) + 4096, "the old range was not given back");
+    /* the reservation used up: a grow in place still works, a fresh range is refused */
+    uint64_t span2 = mpl_slot_span(&r, 0), off2 = m->offset;
+    CHECK_RC(mpl_slot_assign(&r, 1, 901), MPL_OK);
+    CHECK_RC(mpl_slot_begin(&r, 1, 901), MPL_OK);
+    uint64_t left = r.reserve_bytes - mpl_region_file_bytes(&r);
+    if (left)
+        do_grow(&r, 1, 901, left, 0, 0);
+    CHECK_RC(mpl_slot_grow(&r, 1, 2 * left + 4096, 0), MPL_ENOSPACE);
+    CHECK_RC(mpl_slot_reclaim(&r, 1), MPL_OK);
+    span_batch(&r, 902, 0, span2);
+    CHECK(m->offset == off2 && m->capacity == span2, "grow in place in a full reservation moved the slot");
+    CHECK_RC(mpl_slot_assign(&r, 0, 903), MPL_OK);
+    CHECK_RC(mpl_slot_begin(&r, 0, 903), MPL_OK);
+    CHECK_RC(mpl_slot_grow(&r, 0, span2 + 1, 0), MPL_ENOSPACE);
+    CHECK(m->offset == off2 && m->capacity == span2 && mpl_slot_span(&r, 0) == span2, "a refused grow changed the slot");
+    /* a span a stray writer broke is not trusted: the grow takes a fresh range (refused here: full) */
+    CHECK_RC(mpl_slot_shrink(&r, 0, 0), MPL_OK);
+    hdr_of(&r, 0)->span = r.reserve_bytes * 4;     /* past the reservation */
+    CHECK_RC(mpl_slot_grow(&r, 0, span2, 0), MPL_ENOSPACE);
+    hdr_of(&r, 0)->span = span2 + 1;               /* not page-aligned */
+    CHECK_RC(mpl_slot_grow(&r, 0, 4096, 0), MPL_ENOSPACE);
+    hdr_of(&r, 0)->span = span2;
+    CHECK_RC(mpl_slot_grow(&r, 0, span2, 0), MPL_OK);
+    CHECK(m->offset == off2 && m->capacity == span2, "grow in place after the span was restored moved the slot");
+    CHECK_RC(mpl_slot_reclaim(&r, 0), MPL_OK);
+    mpl_region_unmap(&r);
+
+    /* pinned: a punched range is never faulted in again, the grow takes a fresh range */
+    rc = mpl_region_create(&r, 1, 0, 64u << 20);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(1, 0, 64 MiB) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    m = mpl_slot_meta_of(&r, 0);
+    CHECK(mpl_region_pinned(&r) == 0, "a new region is pinned");
+    span_batch(&r, 1, UINT64_MAX, 1u << 20);
+    mpl_region_set_pinned(&r);
+    mpl_region_set_pinned(&r);
+    CHECK(mpl_region_pinned(&r) == 1, "set_pinned did not stick");
+    off = m->offset;
+    span_batch(&r, 2, 8192, 100);                  /* shrinking stays in place */
+    CHECK(m->offset == off && m->capacity == 8192, "shrink in a pinned region moved the slot");
+    fb = mpl_region_file_bytes(&r);
+    span_batch(&r, 3, UINT64_MAX, 1u << 20);       /* regrow: fresh */
+    CHECK(m->offset >= off + (1u << 20) && mpl_region_file_bytes(&r) == fb + (1u << 20),
+          "a regrow in a pinned region reused its punched range (offset %" PRIu64 ", was %" PRIu64 ")", m->offset,
+          off);
+    mpl_region_unmap(&r);
+}
+
 /* ---- take: header validation ---------------------------------------------- */
 
 typedef struct {
@@ -1654,6 +1797,7 @@ static void run_contract(void) {
     contract_waiter();
     contract_shrink();
     contract_trim();
+    contract_span();
     contract_take();
     contract_attach();
     contract_pid();
@@ -1674,10 +1818,12 @@ typedef struct {
     int worker;      /* worker it was handed to */
     uint64_t cap;    /* capacity as of the last lease (what the next worker sees) */
     uint32_t gc;     /* grow_count as of the last lease */
+    uint64_t off;    /* offset as of the last lease */
+    uint64_t span;   /* span as of the last lease */
 } slot_model_t;
 
 typedef struct {
-    uint64_t grows, out_of_order, max_held, probes, short_waits, short_timeouts, bytes;
+    uint64_t grows, out_of_order, max_held, probes, short_waits, short_timeouts, bytes, in_place;
 } stats_t;
 
 static int model_find_free(const slot_model_t *sm, uint32_t n, uint32_t start) {
@@ -1708,7 +1854,8 @@ static void verify_lease(mpl_region *r, const cfg_t *cfg, slot_model_t *sm, uint
     uint64_t seq = x->seq;
     mpl_slot_meta *m = mpl_slot_meta_of(r, slot);
     plan_t pl = make_plan(cfg->seed, seq, cfg->max_need, cfg->grow_pct);
-    uint32_t grows = planned_grows(&pl, x->cap);
+    uint64_t cap0 = cap_after_shrink(&pl, x->cap);
+    uint32_t grows = planned_grows(&pl, cap0);
     uint32_t flags = pl.flags | (grows ? MPL_FLAG_GROWN : 0u);
     pid_t pid = cfg->threads ? getpid() : pids[x->worker];
     CHECK_STATE(r, slot, MPL_LEASED);
@@ -1729,26 +1876,54 @@ static void verify_lease(mpl_region *r, const cfg_t *cfg, slot_model_t *sm, uint
           ", file end %" PRIu64 ")",
           seq, slot, m->offset, m->capacity, hend, mpl_region_file_bytes(r));
     CHECK(mpl_slot_payload(r, slot) == r->base + m->offset, "payload pointer is not base + offset");
+    /* Spans (docs/design.md, "Growth"): a slot keeps its range through shrinks, grows
+     * in place up to it, and takes a fresh range of exactly the new capacity beyond. */
+    uint64_t span = mpl_slot_span(r, slot);
+    CHECK(span >= m->capacity && (span & 4095) == 0 && m->offset + span <= mpl_region_file_bytes(r),
+          "seq %" PRIu64 " slot %u: span %" PRIu64 " for payload [%" PRIu64 ", +%" PRIu64 ")", seq, slot, span,
+          m->offset, m->capacity);
+    if (grows == 0) {
+        CHECK(m->offset == x->off && m->capacity == cap0 && span == x->span,
+              "seq %" PRIu64 " slot %u, no grow: range [%" PRIu64 ", +%" PRIu64 ") span %" PRIu64 ", expected [%" PRIu64
+              ", +%" PRIu64 ") span %" PRIu64,
+              seq, slot, m->offset, m->capacity, span, x->off, cap0, x->span);
+    } else if (page_up(u64max(grow_target(&pl), 1)) <= x->span) {
+        CHECK(m->offset == x->off && span == x->span && m->capacity == page_up(u64max(grow_target(&pl), 1)),
+              "seq %" PRIu64 " slot %u: grow to %" PRIu64 " inside span %" PRIu64 " at %" PRIu64
+              " moved: [%" PRIu64 ", +%" PRIu64 ") span %" PRIu64,
+              seq, slot, grow_target(&pl), x->span, x->off, m->offset, m->capacity, span);
+        stats->in_place++;
+    } else {
+        CHECK(span == page_up(u64max(grow_target(&pl), 1)) && m->capacity == span &&
+                  (x->span == 0 || !ranges_overlap(m->offset, span, x->off, x->span)),
+              "seq %" PRIu64 " slot %u: grow to %" PRIu64 " past span %" PRIu64 ": [%" PRIu64 ", +%" PRIu64
+              ") span %" PRIu64 ", expected a fresh range of the new capacity",
+              seq, slot, grow_target(&pl), x->span, m->offset, m->capacity, span);
+    }
     /* The header check mpl_slot_take applies accepts every honest header, while
      * other processes grow the file (it re-reads the file size when needed). */
     mpl_slot_meta copy = *m;
     uint32_t field = mpl_slot_check(r, &copy);
     CHECK(copy.kind == MPL_KIND_NONE ? field == MPL_FIELD_KIND : field == MPL_FIELD_NONE,
           "seq %" PRIu64 " slot %u: mpl_slot_check refused field %u of an honest header", seq, slot, field);
-    /* FREE and LEASED slots' ranges are stable (only the parent moves those slots). */
+    /* FREE and LEASED slots' ranges and spans are stable (only the parent moves
+     * those slots); no two spans overlap (a grow in place stays inside its own). */
     for (uint32_t t = 0; t < r->nslots; t++) {
         if (t == slot || sm[t].st == M_INFLIGHT)
             continue;
         mpl_slot_meta *o = mpl_slot_meta_of(r, t);
-        CHECK(!ranges_overlap(m->offset, m->capacity, o->offset, o->capacity),
-              "seq %" PRIu64 " slot %u payload [%" PRIu64 ", +%" PRIu64 ") overlaps %s slot %u's [%" PRIu64
+        CHECK(!ranges_overlap(m->offset, span, o->offset, mpl_slot_span(r, t)),
+              "seq %" PRIu64 " slot %u span [%" PRIu64 ", +%" PRIu64 ") overlaps %s slot %u's [%" PRIu64
               ", +%" PRIu64 ")",
-              seq, slot, m->offset, m->capacity, sm[t].st == M_FREE ? "FREE" : "LEASED", t, o->offset, o->capacity);
+              seq, slot, m->offset, span, sm[t].st == M_FREE ? "FREE" : "LEASED", t, o->offset,
+              mpl_slot_span(r, t));
     }
     int64_t bad = pat_bad(mpl_slot_payload(r, slot), 0, m->used, pat_key(cfg->seed, seq));
     CHECK(bad < 0, "seq %" PRIu64 " slot %u: payload byte %" PRId64 " of %" PRIu64 " wrong", seq, slot, bad, m->used);
     x->cap = m->capacity;
     x->gc = m->grow_count;
+    x->off = m->offset;
+    x->span = span;
     stats->grows += grows;
     stats->bytes += m->used;
 }
@@ -1834,6 +2009,10 @@ static void run_stress(const cfg_t *cfg, stats_t *stats) {
         CHECK(m->capacity >= cfg->slot_bytes, "slot %u capacity %" PRIu64 " < slot_bytes", s, m->capacity);
         sm[s].cap = m->capacity;
         sm[s].gc = m->grow_count;
+        sm[s].off = m->offset;
+        sm[s].span = mpl_slot_span(&r, s);
+        CHECK(sm[s].span == m->capacity, "slot %u: span %" PRIu64 " at creation, capacity %" PRIu64, s, sm[s].span,
+              m->capacity);
     }
 
     /* start the workers */
@@ -1907,7 +2086,7 @@ static void run_stress(const cfg_t *cfg, stats_t *stats) {
             CHECK_STATE(&r, (uint32_t)s, MPL_ASSIGNED);
             CHECK(mpl_slot_meta_of(&r, (uint32_t)s)->seq == seq, "meta.seq after assign");
             int w = (int)rng_below(&g, (uint64_t)K);
-            sm[s] = (slot_model_t){M_INFLIGHT, seq, w, sm[s].cap, sm[s].gc};
+            sm[s] = (slot_model_t){M_INFLIGHT, seq, w, sm[s].cap, sm[s].gc, sm[s].off, sm[s].span};
             seq_slot[seq] = (uint32_t)s;
             inflight++;
             cursor = ((uint32_t)s + 1) % n;
@@ -2003,8 +2182,8 @@ static void run_stress(const cfg_t *cfg, stats_t *stats) {
               "slot %u range outside the payload area at the end", s);
         for (uint32_t t = 0; t < s; t++) {
             mpl_slot_meta *b = mpl_slot_meta_of(&r, t);
-            CHECK(!ranges_overlap(a->offset, a->capacity, b->offset, b->capacity), "slots %u and %u overlap at the end",
-                  s, t);
+            CHECK(!ranges_overlap(a->offset, mpl_slot_span(&r, s), b->offset, mpl_slot_span(&r, t)),
+                  "slots %u and %u overlap at the end", s, t);
         }
     }
     uint64_t hint = mpl_region_size_hint(&r);
@@ -2094,11 +2273,11 @@ int main(int argc, char **argv) {
         return 1;
     }
     printf("test_ring OK: phase=%s mode=%s workers=%d batches=%" PRIu64 " seed=%" PRIu64 " slots=%u slot_bytes=%" PRIu64
-           " max_need=%" PRIu64 " grow_pct=%" PRIu64 " grows=%" PRIu64 " max_held=%" PRIu64 " out_of_order_releases=%" PRIu64
+           " max_need=%" PRIu64 " grow_pct=%" PRIu64 " grows=%" PRIu64 " in_place=%" PRIu64 " max_held=%" PRIu64 " out_of_order_releases=%" PRIu64
            " probes=%" PRIu64 " short_waits=%" PRIu64 "/%" PRIu64 " MiB=%.1f checks=%lu time=%.2fs\n",
            cfg.do_contract && cfg.do_stress ? "all" : cfg.do_contract ? "contract" : "stress",
            cfg.threads ? "thread" : "fork", cfg.workers, cfg.batches, cfg.seed, cfg.nslots, cfg.slot_bytes,
-           cfg.max_need, cfg.grow_pct, st.grows, st.max_held, st.out_of_order, st.probes, st.short_timeouts, st.short_waits,
+           cfg.max_need, cfg.grow_pct, st.grows, st.in_place, st.max_held, st.out_of_order, st.probes, st.short_timeouts, st.short_waits,
            (double)st.bytes / (1 << 20), (unsigned long)atomic_load(&g_checks), (double)(now_ns() - t0) / 1e9);
     return 0;
 }
