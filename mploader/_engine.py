@@ -357,6 +357,8 @@ class Engine:
                 res.region = _ring.create_region(self.num_slots, self.shared_mem or 0, reserve)
             except OSError as exc:
                 raise _memory.region_error(exc, reserve) from exc
+            if self.on_grow is not None:  # its pages will be page-locked: no slot regrows into given-back pages
+                res.region.set_pinned()
             self._scheduler.file_bytes = res.region.file_bytes
             if res.busy is None:
                 res.busy = BusyCells(self.num_workers, passed_fd=self.start_method != "fork")
