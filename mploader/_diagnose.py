@@ -307,8 +307,7 @@ def log_stats_every(engine: Any, seconds: float | None, logger: logging.Logger |
         ``seconds`` is negative or NaN.
     """
     every = check_report(seconds, logger)
-    meter = engine._scheduler.meter
     if not every or math.isinf(every):
-        meter.set_report(None, 0.0)
+        engine.set_report(None, 0.0)
         return
-    meter.set_report(_Report(engine, logger or _LOG), every)
+    engine.set_report(_Report(engine, logger or _LOG), every)

@@ -22,16 +22,14 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import _memory, _ring, _spec
+from ._channel import Channel
 from ._errors import WorkerError
-from ._executors import START_METHODS, InlineRun, ThreadRun, WorkerProcess, start_worker, stop_workers
-from ._metrics import COUNTER_KEYS, BusyCells, engine_stats
+from ._executors import CLOSE_GRACE_S, START_METHODS, InlineRun, ThreadRun, start_worker, stop_workers
+from ._metrics import BusyCells
 from ._scheduler import Run, Scheduler
 from ._worker import WorkerSpec
 
-__all__ = ["Engine", "InlineRun", "ThreadRun", "WorkerError", "Run"]
-
-#: Grace given to workers to exit on their own at close() (seconds).
-CLOSE_GRACE_S = 0.5
+__all__ = ["Engine", "InlineRun", "ThreadRun", "WorkerError", "Run", "CLOSE_GRACE_S"]
 
 
 class _Pid:
@@ -63,7 +61,7 @@ class _Resources:
 
     def __init__(self) -> None:
         self.region: Any = None
-        self.workers: list[WorkerProcess] = []
+        self.workers: list[Channel] = []
         self.busy: BusyCells | None = None    # the workers' busy counters (_metrics)
         self.transport = _spec.Transport()    # the spec as spawn/forkserver workers receive it
         self.owner_pid = os.getpid()
@@ -269,7 +267,7 @@ class Engine:
             if self._closed:
                 return
             self._closed = True
-            self._scheduler.stale.clear()
+            self._scheduler.close()
             self._finalizer()
 
     def stop_workers(self) -> None:
@@ -279,20 +277,7 @@ class Engine:
             previous = self._current()
             if previous is not None:
                 previous.abandon()
-            res = self._res
-            workers, res.workers = res.workers, []
-            stop_workers(workers, CLOSE_GRACE_S)
-            self._scheduler.replace_dead()
-            self._scheduler.generation += 1
-            region = res.region
-            if region is not None:
-                for slot in range(region.nslots):
-                    if region.state(slot) in (_ring.STATE_ASSIGNED, _ring.STATE_READY):
-                        region.reclaim(slot)
-            self._scheduler.stale.clear()
-            self._scheduler.stale_pipe.clear()
-            self._scheduler.pending.clear()   # records for the workers just ended
-            self._scheduler.unsent.clear()
+            self._scheduler.reset("stop")
 
     def set_seed(self, seed: int) -> None:
         """Use base seed ``seed`` from the next run on (a checkpoint's seed): running
@@ -315,31 +300,21 @@ class Engine:
         and bad_sample_count (mploader._bad_samples); plus num_slots and shm_bytes (bytes the region's file spans);
         plus the input-pipeline metrics of :func:`mploader._metrics.engine_stats`
         (docs/metrics.md)."""
-        counts = self._scheduler.stats
-        out: dict[str, Any] = {k: counts.get(k, 0) for k in COUNTER_KEYS}
-        region = self._res.region
-        out["num_slots"] = self.num_slots
-        out["shm_bytes"] = region.file_bytes if region is not None else 0
-        out.update(self._scheduler.memory_stats())
-        out.update(engine_stats(self, self._scheduler.meter))
-        watchdog = self._scheduler.watchdog
-        out["stalls"] = watchdog.stalls if watchdog is not None else 0
-        out["respawns"] = watchdog.respawns if watchdog is not None else 0
-        ledger = self._scheduler.ledger
-        out.update(ledger.stats() if ledger is not None else {"bad_samples": [], "bad_sample_count": 0})
-        return out
+        return self._scheduler.report(self._current())
+
+    def set_report(self, report: Callable[[], None] | None, every_s: float) -> None:
+        """Call ``report`` at the first ``next()`` after every ``every_s`` seconds
+        (None: no report); :func:`mploader._diagnose.log_stats_every` sets it."""
+        self._scheduler.set_report(report, every_s)
 
     def bad_sample_state(self) -> dict | None:
         """The bad samples' report and budget counts for a checkpoint (JSON-safe);
         None with ``on_error="raise"``."""
-        ledger = self._scheduler.ledger
-        return ledger.state() if ledger is not None else None
+        return self._scheduler.bad_sample_state()
 
     def load_bad_samples(self, parsed: tuple) -> None:
         """Restore :func:`mploader._bad_samples.parse_state`'s result (a checkpoint's)."""
-        ledger = self._scheduler.ledger
-        if ledger is not None:
-            ledger.load(parsed)
+        self._scheduler.load_bad_samples(parsed)
 
     def _check_usable(self) -> None:
         if _Pid.current != self._owner_pid:
@@ -359,10 +334,10 @@ class Engine:
                 raise _memory.region_error(exc, reserve) from exc
             if self.on_grow is not None:  # its pages will be page-locked: no slot regrows into given-back pages
                 res.region.set_pinned()
-            self._scheduler.file_bytes = res.region.file_bytes
+            busy = None
             if res.busy is None:
-                res.busy = BusyCells(self.num_workers, passed_fd=self.start_method != "fork")
-                self._scheduler.meter.busy = res.busy
+                res.busy = busy = BusyCells(self.num_workers, passed_fd=self.start_method != "fork")
+            self._scheduler.attach(res.region, busy)
         self._scheduler.replace_dead()
         if not res.workers:  # a new generation: it gets the dataset as it is now (mploader._spec)
             res.transport.renew()
@@ -371,7 +346,7 @@ class Engine:
             if wid not in have:
                 res.workers.append(self._start_worker(wid))
 
-    def _start_worker(self, wid: int) -> WorkerProcess:
+    def _start_worker(self, wid: int) -> Channel:
         res = self._res
         region = res.region
         if res.released or region is None:
@@ -387,13 +362,16 @@ class Engine:
 
     # ---- running ----
 
-    def run(self, tasks: Iterable[tuple], in_order: bool = True) -> Run:
+    def run(self, tasks: Iterable[tuple], in_order: bool = True, tagged: bool = False) -> Run:
         """An iterator over the batch of each task, ``prefetch`` in flight; in task
-        order, or in completion order with ``in_order=False``.
+        order, or in completion order with ``in_order=False``.  ``tagged``: each item
+        is ``(worker_id, batch_index, value, failed)`` -- the worker that built the
+        batch and the task's batch index, as the scheduler holds them; ``value`` is the
+        batch, or with ``failed`` the exception ``next()`` would have raised.
 
         Starting a run supersedes the previous one: its batches in flight are
         discarded (their slots freed as they complete) and its ``next()`` raises
-        RuntimeError.  See :class:`~mploader._scheduler.Run` for the errors raised.
+        RuntimeError.  See :class:`~mploader._run.Run` for the errors raised.
         """
         with self._lock:
             self._check_usable()
@@ -401,8 +379,7 @@ class Engine:
             if previous is not None:
                 previous.abandon()
             self._ensure_workers()
-            self._scheduler.meter.begin_epoch()
-            run = Run(self, tasks, in_order)
+            run = Run(self, tasks, in_order, tagged)
             self._current = weakref.ref(run)  # weak: a run keeps its engine alive, not the reverse
             return run
 

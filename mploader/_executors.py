@@ -1,10 +1,11 @@
 """Where batches are computed: worker processes, the calling process, a thread pool.
 
-* :class:`WorkerProcess` -- the parent's handle on one worker process (forked, or
-  started by a ``multiprocessing`` spawn/forkserver context): its pipe, its pidfd
-  (or where pidfd_open is refused, a pipe that reads EOF when it exits), its exit
-  status.  :func:`start_worker` makes one; :func:`stop_workers` ends a
-  group of them (close the pipes, a grace period, then SIGKILL).
+* :func:`start_worker` starts one worker process (forked, or started by the zygote
+  or a ``multiprocessing`` spawn/forkserver context) and returns its
+  :class:`~mploader._channel.Channel` (its socket, its pidfd -- or where pidfd_open
+  is refused, a pipe that reads EOF when it exits -- its exit status, and the
+  scheduler's records on it); :func:`stop_workers` ends a group of them (close the
+  sockets, a grace period, then SIGKILL).
 * :class:`InlineRun` -- ``num_workers=0``: each batch loaded when asked for.
 * :class:`ThreadRun` -- ``thread_pool=True``: daemon threads, plain arrays.
 """
@@ -31,94 +32,16 @@ from typing import Any
 
 import numpy as np
 
-from . import _fds, _ring, _spec, _zygote
-from ._errors import UNKNOWN_STATUS, ExitStatus
+from . import _fds, _spec, _zygote
+from ._channel import Channel
 from ._worker import WorkerBoot, WorkerSpec, batch_seed, fork_main, seed_rngs, spawn_main
 
 START_METHODS = ("fork", "spawn", "forkserver")
+#: Grace given to workers to exit on their own at close() and stop_workers() (seconds).
+CLOSE_GRACE_S = 0.5
 
 
-class WorkerProcess:
-    """The parent's view of one worker.
-
-    ``outstanding`` (tasks sent and not yet consumed, in dispatch order) and
-    ``mailbox`` (batches that came back through the pipe, by seq) belong to the
-    scheduler; everything else to this module.
-    """
-
-    __slots__ = ("wid", "pid", "pidfd", "conn", "fd", "process", "status", "outstanding", "done", "mailbox",
-                 "sent", "retiring", "replaced", "watch_pipe")
-
-    def __init__(self, wid: int, pid: int, conn: Any, process: Any = None, watch_fd: int = -1) -> None:
-        self.wid = wid
-        self.pid = pid
-        # Readable once the process has exited: a pidfd, or (watch_fd, where pidfd_open
-        # is refused) the read end of a pipe whose write end the worker holds.
-        self.pidfd = watch_fd if watch_fd >= 0 else _ring.pidfd_open(pid)
-        self.watch_pipe = watch_fd >= 0 and process is None  # a forked worker's fallback pipe
-        self.conn = conn
-        self.fd = conn.fileno()         # the task pipe, written by _protocol.write_all; -1 once closed
-        self.process = process          # multiprocessing.Process for spawn/forkserver, else None
-        self.status: ExitStatus | None = None
-        self.outstanding: collections.deque = collections.deque()
-        self.done = 0                   # leading tasks of ``outstanding`` known to be published (scheduler)
-        self.mailbox: dict[int, bytes] = {}
-        self.sent = 0
-        self.retiring = False
-        self.replaced = False           # a successor was started for this retiring worker
-
-    @property
-    def alive(self) -> bool:
-        return self.status is None
-
-    def reap(self, block: bool = False) -> bool:
-        """Collect the exit status if the process has ended; True once it has."""
-        if self.status is not None:
-            return True
-        if self.process is not None:
-            self.process.join(None if block else 0)
-            known = getattr(self.process, "exit_status", None)  # a zygote's worker (_zygote.ZygoteChild)
-            if known is not None:
-                self.status = known
-                return True
-            if self.process.exitcode is None:
-                return False
-            self.status = ExitStatus.from_exitcode(self.process.exitcode)
-            return True
-        if not block and self.watch_pipe and self.pidfd >= 0 and _hung_up(self.pidfd):
-            block = True  # the pipe hangs up as the worker exits, a moment before it can be reaped
-        try:
-            pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
-        except ChildProcessError:  # SIGCHLD ignored: the kernel reaped it, status lost
-            self.status = UNKNOWN_STATUS
-            return True
-        if pid == 0:
-            return False
-        self.status = ExitStatus.from_wait_status(status)
-        return True
-
-    def close_fds(self) -> None:
-        for close in (self.conn.close, lambda: os.close(self.pidfd)):
-            try:
-                close()
-            except OSError:
-                pass
-        self.pidfd = -1
-        self.fd = -1
-        if self.process is not None and self.status is not None:
-            try:  # its Popen's two start-up pipes, held until then
-                self.process.close()
-            except ValueError:  # pragma: no cover - not reaped by multiprocessing yet
-                pass
-
-
-def _hung_up(fd: int) -> bool:
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))
-
-
-def exited(workers: list[WorkerProcess], timeout_s: float) -> list[WorkerProcess]:
+def exited(workers: list[Channel], timeout_s: float) -> list[Channel]:
     """The workers among ``workers`` whose process has ended, waiting up to ``timeout_s``.
 
     poll(), not select(): a training process may hold more than FD_SETSIZE (1024)
@@ -137,7 +60,7 @@ def exited(workers: list[WorkerProcess], timeout_s: float) -> list[WorkerProcess
 
 def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
                  drop_in_child: Callable[[], None], busy: tuple | None = None,
-                 transport: _spec.Transport | None = None) -> WorkerProcess:
+                 transport: _spec.Transport | None = None) -> Channel:
     """Start worker ``wid``: ``fork`` runs :func:`fork_main` in a child of this
     process; ``spawn``/``forkserver`` fork it from this process's zygote
     (:mod:`mploader._zygote`; with ``MPLOADER_ZYGOTE=0``, ``multiprocessing`` starts
@@ -179,7 +102,7 @@ def descriptor_kind(start_method: str) -> str:
 
 def _start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
                   drop_in_child: Callable[[], None], busy: tuple | None,
-                  transport: _spec.Transport | None) -> WorkerProcess:
+                  transport: _spec.Transport | None) -> Channel:
     parent_pid = os.getpid()
     lifeline = -1 if _fds.pidfd_usable() else _fds.lifeline()
     parent_conn, child_conn = _fds.connection_pair()
@@ -224,7 +147,7 @@ def _start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
             if watch_w >= 0:
                 os.close(watch_w)
                 owned.remove(watch_w)
-            worker = WorkerProcess(wid, pid, parent_conn, watch_fd=watch_r)
+            worker = Channel(wid, pid, parent_conn, watch_fd=watch_r)
             return worker
         if _zygote.enabled():
             _zygote.warm()  # its start (imports) overlaps the pickling below
@@ -253,7 +176,7 @@ def _start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
         child_conn.close()
         if own_transport:
             transport.close()
-        return WorkerProcess(wid, pid, parent_conn, proc, watch_fd=watch)
+        return Channel(wid, pid, parent_conn, proc, watch_fd=watch)
     except BaseException:
         if pid > 0:  # started: it must not outlive a start that failed, nor stay a zombie
             try:
@@ -336,7 +259,7 @@ def _import_unlock() -> None:
         pass
 
 
-def stop_workers(workers: list[WorkerProcess], grace_s: float) -> None:
+def stop_workers(workers: list[Channel], grace_s: float) -> None:
     """End ``workers``: close their pipes (an idle worker exits on EOF), wait up to
     ``grace_s`` seconds, SIGKILL the rest, reap all, close their descriptors."""
     for w in workers:

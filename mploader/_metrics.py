@@ -26,21 +26,19 @@ now.  (It is also cheaper than ``monotonic_ns()``, whose large ints are allocate
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import mmap
 import os
 import struct
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from . import _fds, _memory, _rng_state
 
-if TYPE_CHECKING:
-    from ._engine import Engine
-
-__all__ = ["Meter", "BusyCells", "WorkerBusy", "MeteredRun", "engine_stats", "inline_stats", "empty_stats",
-           "METRIC_KEYS", "COUNTER_KEYS", "idle_transport_stats"]
+__all__ = ["Meter", "BusyCells", "WorkerBusy", "MeteredRun", "Snapshot", "engine_stats", "inline_stats",
+           "empty_stats", "METRIC_KEYS", "COUNTER_KEYS", "idle_transport_stats"]
 
 _now = time.monotonic
 _frexp = math.frexp
@@ -458,11 +456,39 @@ def inline_stats(meter: Meter, counts: dict) -> dict:
     return out
 
 
-def engine_stats(engine: Engine, meter: Meter) -> dict:
-    """The metric keys of ``engine`` (see docs/metrics.md)."""
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """What :func:`engine_stats` reads of an engine, copied by its scheduler when
+    ``stats()`` is called (``Scheduler.snapshot``): this module reads no engine's
+    or scheduler's fields.
+
+    Attributes
+    ----------
+    counts : mapping of str to int
+        The transport counters (:data:`COUNTER_KEYS`) now.
+    num_workers : int
+        Worker processes the engine runs.
+    forked : bool
+        The workers are forked (their private memory is sampled once per run).
+    worker_pids : list of int
+        The live workers' pids.
+    ready_batches, held_slots : int
+        Batches published and not yet returned; slots the user's batches hold.
+    """
+
+    counts: Mapping[str, int]
+    num_workers: int
+    forked: bool
+    worker_pids: list[int]
+    ready_batches: int
+    held_slots: int
+
+
+def engine_stats(snap: Snapshot, meter: Meter) -> dict:
+    """The metric keys of an engine (see docs/metrics.md), from its ``snap`` and ``meter``."""
     now = _now()
     out = empty_stats()
-    counts = engine._scheduler.stats
+    counts = snap.counts
     first = meter.first
     end = meter.end or now
     if first:
@@ -474,13 +500,13 @@ def engine_stats(engine: Engine, meter: Meter) -> dict:
         for key, name in (("epoch_batches", "batches"), ("epoch_no_free_slot", "no_free_slot"),
                           ("epoch_fallback_pipe", "fallback_pipe")):
             out[key] = counts.get(name, 0) - base.get(name, 0)
-        out["worker_busy"] = _busy_fractions(meter, end, wall, engine.num_workers)
+        out["worker_busy"] = _busy_fractions(meter, end, wall, snap.num_workers)
     else:
-        out["worker_busy"] = [None if meter.busy is None else 0.0] * engine.num_workers
+        out["worker_busy"] = [None if meter.busy is None else 0.0] * snap.num_workers
     out["batches_per_s"], out["bytes_per_s"] = meter.rates(end, counts.get("batches", 0))
-    out["ready_batches"], out["held_slots"] = _occupancy(engine)
-    if first and engine.start_method == "fork" and (not meter.private or meter.private[-1][0] != meter.epochs):
-        pids = engine.worker_pids()
+    out["ready_batches"], out["held_slots"] = snap.ready_batches, snap.held_slots
+    if first and snap.forked and (not meter.private or meter.private[-1][0] != meter.epochs):
+        pids = snap.worker_pids
         private = private_bytes(pids) if pids else None
         if private is not None:
             if meter.private and meter.private[-1][2] != pids:
@@ -496,46 +522,3 @@ def _busy_fractions(meter: Meter, end: float, wall: float, num_workers: int) -> 
         return [None] * num_workers
     now = meter.busy_end if meter.busy_end is not None else cells.totals(end)
     return [max(0.0, (b - a) / wall) for a, b in zip(base, now)]
-
-
-def _occupancy(engine: Engine) -> tuple[int, int]:
-    """(batches published and waiting to be returned, slots held by the user).
-
-    READY slots are published and not taken; a batch whose lease the scheduler took
-    but has not returned yet (``in_order=False`` looks ahead, an interrupt) is
-    waiting too, and its LEASED slot is not the user's; pipe batches in a mailbox
-    are waiting.  The other LEASED slots are held by batches the user still refers to.
-    """
-    from . import _ring
-    region = engine.region
-    if region is None:
-        return 0, 0
-    run = engine._current()
-    for _ in range(3):
-        try:
-            inflight = list(run.inflight) if run is not None else []
-            stale = list(engine._scheduler.stale)
-            break
-        except RuntimeError:  # the deque changed while another thread copied it
-            continue
-    else:
-        inflight, stale = [], []
-    ready = held = 0
-    for slot in range(region.nslots):
-        state = region.state(slot)
-        if state == _ring.STATE_READY:
-            ready += 1
-        elif state == _ring.STATE_LEASED:
-            held += 1
-    for t in inflight:
-        if t.consumed:
-            continue
-        if t.box:
-            ready += 1
-            held -= 1
-        elif t.via_pipe and t.seq in t.worker.mailbox:
-            ready += 1
-    for t in stale:
-        if t.box:
-            held -= 1
-    return ready, max(0, held)

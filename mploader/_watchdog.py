@@ -15,7 +15,7 @@ What happens to a stuck worker (:meth:`Watchdog.check`):
    logged on the ``"mploader"`` logger at WARNING;
 2. it is SIGKILLed and a replacement with the same worker id is started;
 3. every task it had not finished is given again, with the same seq and slot, to
-   the replacement or another worker (``_hot.hand_over``, as ``Scheduler._resend`` does): the loop sees the same
+   the replacement or another worker (``_steps.hand_over``, as ``Scheduler._resend`` does): the loop sees the same
    batches in the same order; with per-batch seeding they are bit-identical.
 
 A batch that is stuck again more than ``max_retries`` times raises
@@ -31,15 +31,14 @@ from __future__ import annotations
 import logging
 import os
 import signal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from . import _hot
+from . import _steps
+from ._channel import Task
+from ._dispatch import Dispatch as Scheduler  # the scheduler's parts the watchdog calls
 from ._executors import exited
 from ._protocol import frame_task
 from ._stacks import take_stack
-
-if TYPE_CHECKING:
-    from ._scheduler import Scheduler, _Task
 
 __all__ = ["StallError", "Watchdog", "FLOOR_S", "P99_FACTOR", "WARMUP_BATCHES", "WARMUP_FLOOR_S",
            "DEFAULT_MAX_RETRIES"]
@@ -161,7 +160,7 @@ class Watchdog:
 
     def _replace(self, sched: Scheduler, w: Any, busy_s: float) -> None:
         region = sched.res.region
-        task: _Task | None = None
+        task: Task | None = None
         for t in w.outstanding:
             if not t.stale and not t.published(region):
                 task = t
@@ -212,7 +211,7 @@ class Watchdog:
             if target is None:   # (no live worker for it now: the next dispatch tries again)
                 sched.unsent.setdefault(w, []).append((t, frame))
                 continue
-            _hot.hand_over(sched, t, target, frame, [(t, frame)])
+            _steps.hand_over(sched, t, target, frame, [(t, frame)])
         if items:
             sched._send_pending()
         sched.replace_dead()   # gone once it owes nothing (the fast dispatch path counts workers)

@@ -1,0 +1,138 @@
+"""A run: one pass over a task stream (an epoch), as the faces iterate it.
+
+:class:`Run` only asks the engine for its next batch (under the engine's lock, the
+scheduler puts it in ``run.handoff``) and hands it over; it registers itself with
+the scheduler so that a run dropped or superseded mid-epoch hands its batches in
+flight back as stale (docs/design.md, "Faults").  The input-pipeline meter times
+its ``next()`` (mploader._metrics).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from . import _steps
+from ._channel import Task
+
+__all__ = ["Run", "EMPTY"]
+
+#: ``Run.handoff`` when no batch waits in it.
+EMPTY = object()
+_EMPTY = EMPTY   # (the name bench/metrics_cost.py uses)
+
+_clock = time.monotonic  # the metrics' clock (CLOCK_MONOTONIC, shared with the workers)
+
+
+def _cancel_dropped(res: Any, inflight: collections.deque, ref: Any = None) -> None:
+    """A run was abandoned or dropped: the workers skip its tasks in flight that they
+    have not started (``BusyCells.cancel_below``; seqs grow, and a run abandoned has
+    dispatched nothing since a newer run began, so no live run's task is below the
+    word).  Also the callback of the run's second weak reference (``ref``)."""
+    busy = res.busy
+    if inflight and busy is not None:
+        busy.cancel_below(inflight[-1].seq + 1)   # (appended in seq order)
+
+
+class Run:
+    """One pass over a task stream (an epoch).  ``next()`` returns the next batch in
+    task order (or completion order with ``in_order=False``); an exception raised
+    by ``dataset[i]`` or collation consumes only its own batch.
+
+    Raises
+    ------
+    WorkerError
+        A worker died owing a batch; the run ends and the workers are restarted by
+        the next run.
+    TimeoutError
+        A batch took longer than ``timeout_s`` (time the process was stopped does not
+        count); the run ends.
+    RuntimeError
+        The run was superseded by a newer one, the loader was closed, or it is used
+        in a forked child of the process that created it.
+    Exception
+        Whatever ``dataset[i]`` or collation raised, with its original type; its
+        ``__cause__`` is a :class:`~mploader._errors.WorkerTraceback`.
+    """
+
+    def __init__(self, engine: Any, tasks: Iterable[tuple], in_order: bool, tagged: bool = False) -> None:
+        # ``engine``: the Engine (its ``_next_batch`` takes the lock and asks its
+        # scheduler, ``engine._scheduler``; a run keeps its engine alive)
+        self._engine = engine
+        # ``tagged``: next() returns (worker id, batch index, batch or exception, failed)
+        # and raises no worker exception (_steps.hand_off; the torch and Chainer faces)
+        self.tagged = tagged
+        self.source: Iterator[tuple] = iter(tasks)
+        self.pushback: collections.deque = collections.deque()
+        self.inflight: collections.deque[Task] = collections.deque()
+        self.in_order = in_order
+        self.handoff: Any = EMPTY  # the next batch, between the scheduler and __next__
+        self.failed = False         # handoff is an exception for __next__ to raise
+        self.source_error: BaseException | None = None  # what the source raised (_steps.pull)
+        self.exhausted = False
+        self.done = False
+        self.superseded = False
+        scheduler = engine._scheduler
+        self._meter = scheduler.meter
+        self._meter.begin_epoch()     # the epoch's counters restart with the run
+        self._counts = scheduler.stats
+        # A run dropped mid-epoch hands its batches in flight to the scheduler as stale,
+        # so their slots are freed as they complete: its death appends its weak
+        # reference to ``scheduler.dropped`` (a C call: nothing an interrupt can cut),
+        # and the scheduler's next step takes them (_steps.abandon_runs).
+        self._ref = weakref.ref(self, scheduler.dropped.append)
+        scheduler.runs[self._ref] = self.inflight
+        # ... and tells the workers at once to skip its tasks they have not started
+        # (a second reference, held by the scheduler -- whose dead ones are pruned
+        # here -- and whose callback holds neither: only speeds things up).
+        cancels = scheduler.cancels
+        if cancels:
+            cancels.difference_update([r for r in cancels if r() is None])
+        cancels.add(weakref.ref(self, functools.partial(_cancel_dropped, scheduler.res, self.inflight)))
+
+    def __iter__(self) -> Run:
+        return self
+
+    def __next__(self) -> Any:
+        if self.done:  # first: an exhausted run stays exhausted (Python's iterator protocol)
+            raise StopIteration
+        if self.superseded:
+            raise RuntimeError("this iterator was superseded by a newer iteration of the same loader")
+        meter = self._meter
+        t0 = _clock()
+        if t0 >= meter.tick_at:  # the run's first two calls, a window mark, a periodic report
+            meter.tick(t0, self._counts)
+        try:
+            self._engine._next_batch(self)
+        except StopIteration:
+            self.done = True
+            meter.finish(_clock())
+            raise
+        finally:
+            # Before the handoff is read: an interrupt here leaves the batch in the run.
+            meter.wait += _clock() - t0
+        # Taken with no call and no jump between the read and the return (CPython 3.10
+        # runs pending handlers at every jump, 3.11+ at backward ones; all of them after
+        # a call returns): an interrupt cannot land after the batch left the run and
+        # before the caller has it.
+        if self.failed:  # the worker's exception (it consumed its batch)
+            self.failed = False
+            exc = self.handoff
+            self.handoff = EMPTY
+            raise exc
+        batch = self.handoff
+        self.handoff = EMPTY
+        return batch
+
+    def abandon(self) -> None:
+        """Superseded (a newer run, stopped workers): the batches in flight become
+        stale, and the workers skip those they have not started.  Called under the
+        engine's lock."""
+        self.superseded = True
+        scheduler = self._engine._scheduler
+        _cancel_dropped(scheduler.res, self.inflight)
+        scheduler.dropped.append(self._ref)
+        _steps.abandon_runs(scheduler)
