@@ -29,7 +29,8 @@ to that:
   the one the loop holds and the one it just dropped fit.
 
 A trimmed slot keeps its range: no address space is used when it is written again,
-only page faults.  Pinned regions (CUDA) are never trimmed: their pages are held by
+only page faults (as a slot a worker shrank keeps its range and grows again in place,
+docs/design.md, "Growth").  Pinned regions (CUDA) are never trimmed: their pages are held by
 the driver's pin.
 
 **Address space** (``RLIMIT_AS``, common under Slurm): a ring reserves 16 GiB of
@@ -37,7 +38,8 @@ address space for its slots' growth; under a finite ``RLIMIT_AS`` it reserves a
 quarter of the room left (the limit less the process's current ``VmSize``), at least
 64 MiB, at most 16 GiB (:func:`reserve_bytes`).  The reservation cannot grow later
 (every worker maps it at start): once it is used up, batches that do not fit their
-slot travel by pipe (``fallback_pipe`` in ``stats()``).
+slot travel by pipe (``fallback_pipe`` in ``stats()``).  What a ring uses of it follows
+the largest batch each slot held, not the number of batches that grew a slot.
 """
 from __future__ import annotations
 

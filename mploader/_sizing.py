@@ -31,7 +31,9 @@ class SlotSizing:
     ``shrink_min_bytes`` to gain, is shrunk to it (a slot never grown keeps the
     size the loader was configured with, ``shared_mem``).
     An outlier therefore costs one grow of the slot it lands in, and its memory
-    goes back the next time that slot is written.
+    goes back the next time that slot is written.  The shrunk slot keeps its
+    address range, so the next outlier in it grows it again in place: outliers do
+    not use up the region's reservation (docs/design.md, "Growth").
 
     Parameters
     ----------
@@ -90,7 +92,8 @@ def sizing_for(region: _ring.Region) -> SlotSizing:
 
 def shrink(region: _ring.Region, slot: int, target: int) -> bool:
     """Shrink an ASSIGNED slot in place to ``target`` bytes (rounded up to a page):
-    the tail's memory goes back to the kernel, no address space is used.
+    the tail's memory goes back to the kernel, no address space is used, and the
+    slot keeps its range (a later grow up to it is in place).
 
     Returns False, leaving the slot as it was, if the system refused (shrinking
     only saves memory; the batch is written either way).
