@@ -199,6 +199,38 @@ def test_metrics_md_documents_every_key_stats_returns():
     assert not documented - keys, f"docs/metrics.md keys stats() lacks: {sorted(documented - keys)}"
 
 
+def test_every_class_attribute_the_reference_names_exists():
+    """`Class.attribute` in a reference doc, for a class mploader defines, names an
+    attribute of that class or of a base class mploader defines (the scheduler is
+    ``Scheduler(Dispatch(Receive))``: `Receive._check_wait` and `Scheduler._check_wait`
+    are the same method)."""
+    classes: dict[str, tuple[list[str], str]] = {}   # name -> (bases, source of its module)
+    for path in glob.glob(os.path.join(REPO, "mploader", "*.py*")):
+        if not path.endswith((".py", ".pyx", ".pxi")):
+            continue
+        source = _read(os.path.relpath(path, REPO))
+        for m in re.finditer(r"^(?:cdef )?class (\w+)(?:\(([^)]*)\))?", source, re.M):
+            bases = [b.strip().split(".")[-1] for b in (m.group(2) or "").split(",") if b.strip()]
+            classes[m.group(1)] = (bases, source)
+
+    def has(name: str, attr: str, depth: int = 0) -> bool:
+        bases, source = classes[name]
+        if re.search(rf"\b{attr}\b", source):
+            return True
+        return depth < 8 and any(has(b, attr, depth + 1) for b in bases if b in classes)
+
+    stale, seen = [], 0
+    for doc in REFERENCE:
+        for m in re.finditer(r"`(?:[\w.]*\.)?([A-Z]\w+)\.(_?[a-z]\w*)", _read(doc)):
+            name, attr = m.groups()
+            if name in classes:
+                seen += 1
+                if not has(name, attr):
+                    stale.append(f"{doc}: {name} has no {attr}")
+    assert seen >= 30, f"only {seen} class attributes found: the pattern no longer matches the docs"
+    assert not stale, "\n".join(sorted(set(stale)))
+
+
 # ---- figures the reference quotes from constants ----
 
 def _figure(doc: str, pattern: str) -> str:
