@@ -45,9 +45,9 @@ roles = [
     Extension("mploader._protocol", sources=["mploader/_protocol.pyx"], extra_compile_args=C_FLAGS),
     # the scheduler's steps that an interrupt must not split (cimports _protocol's write loop)
     Extension("mploader._steps", sources=["mploader/_steps.pyx"], extra_compile_args=C_FLAGS),
-    # generator states seeded and read in place (NumPy's bitgen_t)
+    # generator states seeded and read in place (NumPy's bitgen_t, from numpy/random/bitgen.h)
     Extension("mploader._rng_memory", sources=["mploader/_rng_memory.pyx"], extra_compile_args=C_FLAGS,
-              **NUMPY_C),
+              include_dirs=[numpy.get_include()]),
     # collation checks, row copies (csrc/memops.c's streaming stores), batch plans
     Extension("mploader._columns", sources=["mploader/_columns.pyx", "csrc/memops.c"],
               extra_compile_args=C_FLAGS, **NUMPY_C),

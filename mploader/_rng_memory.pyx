@@ -14,7 +14,14 @@ from cpython.pycapsule cimport PyCapsule_GetPointer
 from libc.stdint cimport uint32_t, uint64_t, uintptr_t
 from libc.string cimport memcmp, memset
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
-from numpy.random cimport bitgen_t  # numpy/random/bitgen.h: state is its first member
+
+# NumPy's own header (numpy/random/bitgen.h); only the first member is read.  Declared
+# here rather than cimported from numpy.random, whose .pxd makes the module import
+# numpy.random's extension types at load and check their sizes against the NumPy built
+# with (NumPy 2), where the installed one may be 1.24.
+cdef extern from "numpy/random/bitgen.h":
+    ctypedef struct bitgen_t:
+        void *state
 
 import sys
 
