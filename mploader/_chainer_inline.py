@@ -71,11 +71,12 @@ class InlineLoader:
 class InlineRun:
     """``n_processes=0``: load each batch in this process when asked for.
 
-    With a ``dataset_timeout``, the iterator's :class:`InlineLoader` thread loads the
-    batch while this one watches the clock (as Chainer does for its first, measuring
-    batch), so the TimeoutWarning is issued from ``next()``.  ``consumed`` tells
-    whether the last call used up a task (a batch returned or the dataset's exception
-    raised; an interruption such as KeyboardInterrupt leaves the batch owed).
+    Yields ``(-1, -1, value, failed)`` per task, as a tagged engine run (no worker,
+    no batch index): the batch, or with ``failed`` the exception the dataset raised,
+    which used up the task; an interruption (KeyboardInterrupt) propagates and leaves
+    the batch owed.  With a ``dataset_timeout``, the iterator's :class:`InlineLoader`
+    thread loads the batch while this one watches the clock (as Chainer does for its
+    first, measuring batch), so the TimeoutWarning is issued from ``next()``.
     """
 
     def __init__(self, dataset: Any, tasks: Iterator[tuple], seed: int, timeout_s: float | None,
@@ -84,30 +85,25 @@ class InlineRun:
         self._timeout_s = timeout_s
         self._loader = loader
         self._on_stall = on_stall
-        self.consumed = False
 
     def __iter__(self) -> InlineRun:
         return self
 
-    def __next__(self) -> list:
-        self.consumed = False
+    def __next__(self) -> tuple[int, int, Any, bool]:
         if self._timeout_s is None or self._loader is None:
             try:
-                batch = next(self._inline)
+                return (-1, -1, next(self._inline), False)
             except StopIteration:
                 raise
-            except Exception:
-                self.consumed = True
-                raise
-            self.consumed = True
-            return batch
+            except Exception as exc:  # noqa: BLE001 - the dataset's: it used up its batch
+                return (-1, -1, exc, True)
         future = self._loader.submit(self._inline.__next__)
         done, _ = concurrent.futures.wait([future], self._timeout_s)
         if not done:
             self._on_stall(self._timeout_s)
         error = future.exception()
         if error is not None:
-            self.consumed = isinstance(error, Exception) and not isinstance(error, StopIteration)
+            if isinstance(error, Exception) and not isinstance(error, StopIteration):
+                return (-1, -1, error, True)
             raise error
-        self.consumed = True
-        return future.result()
+        return (-1, -1, future.result(), False)

@@ -140,7 +140,12 @@ def hand_off(run, task, value, bint failed, mailbox):
     be read), ``task`` consumed and off its worker's ``outstanding``, then the
     batch's message out of ``mailbox`` (the pipe; None for a slot) and the lease out
     of ``task.box`` (E4 when nothing else holds it; last, as a lease's release hook
-    may run Python code)."""
+    may run Python code).  A tagged run (``run.tagged``: the torch and Chainer faces)
+    gets ``(worker id, batch index, value, failed)`` -- who built which batch, as the
+    scheduler knows it -- and raises nothing: the face decides."""
+    if getattr(run, "tagged", False):
+        value = (task.worker.wid, task.batch_index, value, failed)
+        failed = False
     run.handoff = value
     run.failed = failed
     task.consumed = True
@@ -178,25 +183,48 @@ def drop_stale(task, pipe_seqs):
 
 
 def serial_next(it):
-    """A face iterator's ``__next__`` (the Gluon face's ``_LoaderIter``): the next
-    batch of ``it._gen`` (a :class:`~mploader._scheduler.Run`, or an in-process run)
-    with ``it._lock`` held (threads sharing the iterator get each batch once, in
-    order), counted in ``it._progress.consumed`` (when not None); an exception of the
-    run goes to ``it._ended(exc)`` first, then propagates.  Written here, not in
-    Python: from the run's ``__next__`` to the caller the batch passes through C only.
-    CPython runs pending signal handlers when a call returns into Python code (3.10:
-    every call, and every jump; 3.11+: calls of C functions, such as a ``with``'s
-    ``__exit__``), and one raising there dropped the batch on its way out."""
+    """A face iterator's ``__next__``: the next batch of ``it._gen`` (a
+    :class:`~mploader._run.Run`, an in-process run, or the face's own body) with
+    ``it._lock`` held (threads sharing the iterator get each batch once, in order),
+    counted in ``it._progress.consumed`` (when not None); an exception goes to
+    ``it._ended(exc)`` first, then propagates.  Written here, not in Python: from the
+    run's ``__next__`` to the caller the batch passes through C only.  CPython runs
+    pending signal handlers when a call returns into Python code (3.10: every call,
+    and every jump; 3.11+: calls of C functions, such as a ``with``'s ``__exit__``),
+    and one raising there dropped the batch on its way out.
+
+    A face whose body is Python code (the torch and Chainer faces) takes each record
+    from its run with :func:`take` into its box ``it._held`` (a list) and makes the
+    batch from it; the box is emptied here once the body returned the batch, so an
+    interrupt anywhere in the body leaves the record in the box, and the next call
+    makes the batch from it again (the body's bookkeeping is idempotent per record)."""
     with it._lock:
         try:
             batch = next(it._gen)
         except BaseException as exc:
             it._ended(exc)
             raise
+        held = getattr(it, "_held", None)
+        if held is not None:
+            del (<list>held)[:]
         progress = it._progress
         if progress is not None:
             progress.consumed += 1
         return batch
+
+
+def take(source, list box, companions=None):
+    """``next(source)`` into the empty ``box`` in one step, with the first item of
+    ``companions`` (a deque: the Chainer face's planned states, one per task in
+    order) after it when given; nothing when ``box`` already holds a record (the
+    previous call's body was interrupted: :func:`serial_next`).  Exceptions of
+    ``source`` propagate and leave ``box`` empty."""
+    if box:
+        return
+    record = next(source)
+    box.append(record)
+    if companions is not None:
+        box.append(companions.popleft())
 
 
 def abandon_runs(sched):

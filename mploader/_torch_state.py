@@ -150,7 +150,7 @@ class _IterableState:
 
     def __init__(self) -> None:
         self.progress: _state.MapProgress | None = None
-        self.per_worker: list[int] | None = None   # batches received from each worker (the running epoch)
+        self.per_worker: list[tuple[int, int]] | None = None   # Position.per_worker (the running epoch)
         self.dataset_iter: Any = None   # num_workers=0: the running epoch's iter(dataset) (SingleIter)
         self.pending: dict | None = None
         self.workers: tuple | None = None   # (WorkerStreams, _Dispatch) of the running iterator
@@ -250,7 +250,7 @@ def _worker_rng(loader: DataLoader, ckpt: Any, mid_epoch: bool) -> dict | None:
     assigned: list = []
     next_worker = 0
     if mid_epoch and dispatch is not None:
-        assigned = sorted([b, w] for w, sent in enumerate(dispatch.sent) for b in sent)
+        assigned = dispatch.assigned()
         next_worker = dispatch.cycle
     return {"base_seed": streams.base_seed, "states": WorkerStreams.to_json(streams.after),
             "assigned": assigned, "next_worker": next_worker}
@@ -339,14 +339,15 @@ class Position:
     indices)`` to load), :meth:`received`, :meth:`finish`; ``skip`` (IterableDataset
     resume without workers: batch indices already received, rebuilt and dropped);
     ``current`` (the batch index of the last pair taken).  An IterableDataset with
-    workers counts the batches received from each worker instead (``per_worker``)
-    and drops the first ``skip_per_worker[w]`` batches worker ``w``'s replica builds
-    again (:meth:`from_worker`)."""
+    workers counts the batches received from each worker instead (``per_worker[w]``:
+    ``(count, batch index of the last one)``) and drops the first
+    ``skip_per_worker[w]`` batches worker ``w``'s replica builds again
+    (:meth:`from_worker`)."""
 
     __slots__ = ("progress", "pairs", "skip", "current", "per_worker", "skip_per_worker")
 
     def __init__(self, progress: _state.MapProgress, pairs: Iterator[tuple], skip: Container[int],
-                 per_worker: list[int] | None = None, skip_per_worker: list[int] | None = None) -> None:
+                 per_worker: list[tuple[int, int]] | None = None, skip_per_worker: list[int] | None = None) -> None:
         self.progress = progress
         self.pairs = pairs
         self.skip = skip
@@ -372,20 +373,24 @@ class Position:
         (an exhausted replica uses up indices, ``in_order=False`` hands them out by
         timing), so the position of an IterableDataset is what each worker
         delivered, as torchdata's per-worker snapshots; with ``in_order=True`` the
-        round robin over the replicas then gives the uninterrupted run's order."""
+        round robin over the replicas then gives the uninterrupted run's order.
+
+        Idempotent: the same result reported again (the face's record after an
+        interrupt) changes nothing -- a worker's batch indices grow, and its count
+        and last index change in one store."""
         per_worker = self.per_worker
         if per_worker is None:
             if batch_index in self.skip:
                 return False
             self.progress.received(batch_index)
             return True
-        per_worker[worker_id] += 1
+        count, last = per_worker[worker_id]
+        if batch_index != last:
+            count += 1
+            per_worker[worker_id] = (count, batch_index)
         self.progress.received(batch_index)
         skip = self.skip_per_worker
-        if skip is not None and skip[worker_id] > 0:
-            skip[worker_id] -= 1
-            return False
-        return True
+        return skip is None or count > skip[worker_id]
 
     def exhausted(self, batch_index: int) -> None:
         """An IterableDataset replica answered ``batch_index`` with its end (the index
@@ -431,12 +436,12 @@ def begin(loader: DataLoader, epoch: int, sampler_iter: Iterator, iterators_per_
         skip: Container[int] = frozenset()
         progress = _state.MapProgress(epoch, 0, set(), None, None, None)
         num_workers = loader.num_workers
-        per_worker = [0] * num_workers if num_workers > 0 else None
+        per_worker = [(0, -1)] * num_workers if num_workers > 0 else None
         skip_per_worker = None
         start = 0
         if pending is not None:
             if per_worker is not None:
-                skip_per_worker = list(pending.get("worker_batches") or per_worker)
+                skip_per_worker = list(pending.get("worker_batches") or [0] * num_workers)
             elif _has_dataset_states(pending):
                 # torchdata's single-process resume: the dataset's and its iterator's
                 # own states put it where it stood (restored by SingleIter), nothing
@@ -468,7 +473,7 @@ def state_dict(loader: DataLoader) -> dict:
         else:
             epoch, consumed = progress.epoch, progress.consumed
             if ckpt.per_worker is not None and len(ckpt.per_worker) == loader.num_workers:
-                worker_batches = list(ckpt.per_worker)
+                worker_batches = [count for count, _ in ckpt.per_worker]
                 consumed = sum(worker_batches)
         dataset_state = dataset_iter_state = None
         if loader.num_workers == 0 and seed is None and progress is not None and not progress.finished:

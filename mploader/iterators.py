@@ -75,7 +75,16 @@ class _Unlocked:
 
 
 class _Run:
-    """One run: the batches, the states planned for them, a planning failure."""
+    """One run: its records, the states planned for them, a planning failure.
+
+    ``batches`` yields ``(worker_id, batch_index, value, failed)`` for each task (a
+    tagged engine run, or :class:`~mploader._chainer_inline.InlineRun`): the batch,
+    or with ``failed`` the dataset's exception, which used up the batch's task (the
+    next call goes on with the following batch; an engine's failure that is not the
+    dataset's -- a batch that cannot be read -- is loaded again by a new run).  What
+    ``next(batches)`` raises (a dead worker, a timeout, closing, an interruption
+    while waiting) leaves the batch owed.  ``states[k]``: the state after the k-th
+    record not yet taken."""
 
     __slots__ = ("batches", "states", "failure")
 
@@ -83,17 +92,6 @@ class _Run:
         self.batches = batches
         self.states = states
         self.failure = failure
-
-    def consumed(self, exc: BaseException) -> bool:
-        """Whether ``exc``, raised by ``next(batches)``, used up the batch's task.
-
-        The engine and the in-process loader consume a batch whose dataset raised
-        (the next call goes on with the following batch); a dead worker, a
-        timeout, closing or an interruption while waiting leave the batch owed.
-        """
-        if isinstance(self.batches, InlineRun):
-            return self.batches.consumed
-        return is_batch_error(exc)
 
 
 class MultiprocessIterator:
@@ -255,6 +253,9 @@ class MultiprocessIterator:
         self._lock = threading.Lock()
         self._gen = _Unlocked(weakref.ref(self))   # (weak: no iterator <-> body cycle)
         self._progress = None
+        # [record, its planned state] taken from the run (_steps.take) until the batch
+        # is the caller's (serial_next empties it): an interrupt in between leaves it here.
+        self._held: list = []
         self._engine: _engine.Engine | None = None
         self._inline_loader: InlineLoader | None = None
         self._run: _Run | None = None
@@ -313,6 +314,7 @@ class MultiprocessIterator:
     def _drop_run(self) -> None:
         # The engine discards the old run's batches in flight when the next run starts.
         self._run = None
+        del self._held[:]
 
     def reset(self) -> None:
         """Go back to the start: epoch 0, position 0, a new order from the order sampler.
@@ -358,7 +360,7 @@ class MultiprocessIterator:
                     if self._report is not None:
                         _diagnose.log_stats_every(self._engine, *self._report)
                 engine = self._engine
-            batches = engine.run(tasks)
+            batches = engine.run(tasks, tagged=True)
         self._run = _Run(batches, states, failure)
         return self._run
 
@@ -390,27 +392,37 @@ class MultiprocessIterator:
         if self._finalized:
             raise RuntimeError("this MultiprocessIterator was finalized")
         run = self._run if self._run is not None else self._start_run()
+        held = self._held
         try:
-            batch = next(run.batches)
+            # The record and its planned state, in one step; they stay in ``held``
+            # until serial_next has handed the batch to the caller, so an interrupt
+            # below is followed by the same record again (_adopt is idempotent).
+            _steps.take(run.batches, held, run.states)
         except StopIteration:
             if run.failure:
                 self._drop_run()
                 raise run.failure[0] from None
             self._previous_epoch_detail = self.epoch_detail
             raise
-        except BaseException as exc:
+        except BaseException:
             if self._run is run:
-                if run.consumed(exc):
-                    self._adopt(run.states.popleft())
-                else:
-                    self._drop_run()
+                self._drop_run()   # the batch is owed: a new run plans it again from the state
             raise
-        self._adopt(run.states.popleft())
-        return batch
+        (_, _, value, failed), state = held
+        if failed and not isinstance(run.batches, InlineRun) and not is_batch_error(value):
+            self._drop_run()   # the batch cannot be read (a corrupt slot): a new run loads it again
+            raise value
+        self._adopt(state)
+        if failed:   # the dataset's exception used up its batch
+            del held[:]
+            raise value
+        return value
 
     def _adopt(self, state: State) -> None:
-        self._previous_epoch_detail = self.epoch_detail
-        self._state = state
+        """Move to ``state``, the one planned after the batch being returned (again
+        after an interrupt: then nothing changes)."""
+        if self._state is not state:
+            self._previous_epoch_detail, self._state = self.epoch_detail, state
 
     next = _steps.serial_next
 

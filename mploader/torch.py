@@ -26,7 +26,6 @@ torch release): ``torch.utils.data.dataloader._BaseDataLoaderIter`` (and its
 """
 from __future__ import annotations
 
-import collections
 import inspect
 import multiprocessing
 import random
@@ -42,7 +41,7 @@ from torch.utils.data import IterableDataset, default_collate, default_convert, 
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from . import _bad_samples, _diagnose, _engine, _metrics, _options, _pinning, _steps, _torch_state
-from ._errors import add_note
+from ._errors import WorkerTraceback, add_note
 from ._torch_collate import to_tensors, unpack
 from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, PACKED, CapturingFetch, Fetch, WorkerInit
 
@@ -459,6 +458,9 @@ class _RingIter(_BaseDataLoaderIter):
         # the lock is released in C, so no signal handler runs between the batch's
         # leaving the run and the caller's having it (as the Gluon face's).
         self._lock = threading.Lock()
+        # The record taken from the run (_steps.take) until the batch made from it is
+        # the caller's (serial_next empties it): an interrupt in between leaves it here.
+        self._held: list = []
         self._gen = _Unlocked(weakref.ref(self))   # (weak: no iterator <-> body cycle)
         self._progress = None
         self._reset(loader, first_iter=True)
@@ -467,7 +469,7 @@ class _RingIter(_BaseDataLoaderIter):
         if not first_iter:
             self._drain_abandoned(loader)
         super()._reset(loader, first_iter)
-        self._mpl_taken = 0        # results taken from the run this epoch (batches, exceptions, ends)
+        del self._held[:]   # a record of the abandoned pass
         engine = self._engine
         pinned = loader._mpl_pinned
         resume = _torch_state.worker_resume(loader)   # a checkpoint's workers (torch's seeding)
@@ -509,7 +511,7 @@ class _RingIter(_BaseDataLoaderIter):
         self._mpl_pos = _torch_state.begin(loader, self._epoch, self._sampler_iter, per_epoch)
         _torch_state.track_workers(loader, self._mpl_streams, self._dispatch)
         self._run = engine.run(self._dispatch.tasks(self._epoch, self._mpl_pos.pairs, self._is_iterable),
-                               in_order=self._in_order)
+                               in_order=self._in_order, tagged=True)
 
     def _drain_abandoned(self, loader: DataLoader) -> None:
         """A new epoch of persistent workers with torch's seeding while the previous
@@ -522,21 +524,22 @@ class _RingIter(_BaseDataLoaderIter):
         if (run is None or self._mpl_ended or streams is None or not self._persistent_workers
                 or engine is None or engine.closed or _torch_state.worker_resume(loader) is not None):
             return
-        self._dispatch.limit = self._prefetch_factor * self._num_workers + self._mpl_taken
+        self._dispatch.limit = self._prefetch_factor * self._num_workers + self._dispatch.received()
+        held = self._held
         while True:
             try:
-                wid, _, _, rng = next(run)
+                _steps.take(run, held)
             except StopIteration:
                 break
-            except Exception as exc:   # a batch that raised: dropped as the others
-                wid = getattr(exc.__cause__, "worker_id", None)
-                if wid is None:
-                    if run.source_error is not None:   # the sampler raised (an interrupt): the pass ends
-                        break
-                    raise
-                rng = getattr(exc, "mploader_rng", None)
+            except RuntimeError:
+                if run.source_error is not None:   # the sampler raised (an interrupt): the pass ends
+                    break
+                raise
+            wid, _, value, failed = held[0]   # a batch, or one that raised: dropped as the others
+            rng = getattr(value, "mploader_rng", None) if failed else value[3]
             if rng is not None:
                 streams.received(wid, rng)
+            del held[:]
         self._mpl_ended = True
 
     #: ``_mpl_next`` with ``_lock`` held (threads sharing the iterator: each batch
@@ -559,13 +562,18 @@ class _RingIter(_BaseDataLoaderIter):
         return data
 
     def _next_data(self) -> Any:
-        pos = self._mpl_pos
+        # Each record of the (tagged) run -- (worker id, batch index, value, failed),
+        # as the scheduler knows them -- is taken into self._held (_steps.take) and
+        # stays there until serial_next has handed its batch to the caller.  What is
+        # done for it here is idempotent per record (sets keyed by batch index, single
+        # stores), so an interrupt at any point is followed by the same record again,
+        # and the batch is neither lost nor counted twice (docs/design.md, "Faults").
+        pos, held, dispatch, streams = self._mpl_pos, self._held, self._dispatch, self._mpl_streams
         while True:
             if self._mpl_ended:
                 raise StopIteration   # exhausted: again, as torch's (its workers may serve a newer iterator)
             try:
-                wid, payload, kind, rng = next(self._run)
-                self._mpl_taken += 1   # torch sends one more index per result (see _drain_abandoned)
+                _steps.take(self._run, held)
             except StopIteration:
                 self._mpl_ended = True
                 pos.finish()
@@ -576,30 +584,31 @@ class _RingIter(_BaseDataLoaderIter):
                 raise
             except TimeoutError as exc:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from exc
-            except Exception as exc:
-                cause = exc.__cause__
-                wid = getattr(cause, "worker_id", None)
-                if wid is None:
-                    raise
-                self._mpl_taken += 1
-                if 0 <= wid < self._num_workers:
-                    self._dispatch.num_tasks[wid] -= 1
-                    # the exception used up its batch (dropped: an IterableDataset's resume replayed it)
-                    delivered = pos.from_worker(wid, self._dispatch.sent[wid].popleft())
-                    if self._mpl_streams is not None:
-                        self._mpl_streams.received(wid, getattr(exc, "mploader_rng", None))
-                    if not delivered:
-                        continue
-                raise _as_torch_error(exc, cause) from cause
-            batch_index = self._dispatch.sent[wid].popleft()   # a worker answers its tasks in order
-            if rng is not None and self._mpl_streams is not None:
-                self._mpl_streams.after[wid] = rng   # the worker's RNGs after this batch (checkpoints)
+            wid, batch_index, value, failed = held[0]
+            dispatch.received_from(wid, batch_index)
+            if failed:   # the batch's exception used it up
+                if streams is not None:
+                    streams.received(wid, getattr(value, "mploader_rng", None))
+                if not pos.from_worker(wid, batch_index):
+                    del held[:]
+                    continue   # (dropped: an IterableDataset's resume replayed it)
+                cause = value.__cause__
+                if isinstance(cause, WorkerTraceback):   # raised by the dataset or collate_fn
+                    error = _as_torch_error(value, cause)
+                    del held[:]
+                    raise error from cause
+                del held[:]
+                raise value   # the batch cannot be read (a corrupt descriptor)
+            payload, kind, rng = value[1:]
+            if rng is not None and streams is not None:
+                streams.after[wid] = rng   # the worker's RNGs after this batch (checkpoints)
             if kind == EXHAUSTED:
-                self._dispatch.active[wid] = False
+                dispatch.active[wid] = False
                 pos.exhausted(batch_index)
+                del held[:]
                 continue
-            self._dispatch.num_tasks[wid] -= 1
             if not pos.from_worker(wid, batch_index):
+                del held[:]
                 continue   # IterableDataset resume: received before the checkpoint
             data = unpack(payload) if kind == PACKED else to_tensors(payload)
             if self._pin_memory and not self._pinned_region:
@@ -646,16 +655,19 @@ class _Dispatch:
     """Torch's ``_try_put_index`` as a task stream the engine pulls from: round-robin
     over the workers still active (an IterableDataset replica that is exhausted makes
     its worker inactive); with ``in_order=False`` only to a worker holding fewer than
-    ``prefetch_factor * num_workers // active`` tasks.  Holds no reference to the
-    iterator (no iterator <-> run cycle)."""
+    ``prefetch_factor * num_workers // active`` tasks.  ``in_flight[w]``: the batch
+    indices given to worker ``w`` whose results (a batch, an exception, a replica's
+    end) the iterator has not received yet -- the engine tags each result with its
+    worker and batch index, so a result settles exactly its own entry, and settling
+    it again (the same record after an interrupt) changes nothing.  Holds no
+    reference to the iterator (no iterator <-> run cycle)."""
 
     def __init__(self, num_workers: int, prefetch_factor: int, in_order: bool) -> None:
         self.num_workers = num_workers
         self.max_tasks = prefetch_factor * num_workers
         self.in_order = in_order
         self.active = [True] * num_workers
-        self.num_tasks = [0] * num_workers
-        self.sent: list[collections.deque] = [collections.deque() for _ in range(num_workers)]  # batch indices
+        self.in_flight: list[set[int]] = [set() for _ in range(num_workers)]
         self.cycle = 0
         self.preassigned: dict[int, int] = {}   # batch index -> worker, from a checkpoint
         self.limit: int | None = None   # tasks to yield at most (an epoch left early: torch's window)
@@ -668,12 +680,25 @@ class _Dispatch:
         self.preassigned = {b: w for b, w in assigned if 0 <= w < self.num_workers}
         self.cycle = next_worker % self.num_workers
 
+    def received_from(self, worker_id: int, batch_index: int) -> None:
+        """The result of ``batch_index`` from ``worker_id`` was taken (idempotent)."""
+        if 0 <= worker_id < self.num_workers:
+            self.in_flight[worker_id].discard(batch_index)
+
+    def received(self) -> int:
+        """Results taken so far (batches, exceptions, replicas' ends)."""
+        return self.yielded - sum(len(s) for s in self.in_flight)
+
+    def assigned(self) -> list[list[int]]:
+        """``[batch_index, worker_id]`` of every batch in flight, by batch index."""
+        return sorted([b, w] for w, batches in enumerate(self.in_flight) for b in batches)
+
     def _pick(self) -> int | None:
-        active, num_tasks = self.active, self.num_tasks
+        active, in_flight = self.active, self.in_flight
         for _ in range(self.num_workers):
             w = self.cycle
             self.cycle = (w + 1) % self.num_workers
-            if active[w] and (self.in_order or num_tasks[w] < self.max_tasks // sum(active)):
+            if active[w] and (self.in_order or len(in_flight[w]) < self.max_tasks // sum(active)):
                 return w
         return None
 
@@ -694,8 +719,7 @@ class _Dispatch:
                 continue  # torch drops the index too (it cannot happen with a sane prefetch)
             if iterable:
                 index = ("iter", epoch, None if index is None else len(index))
-            self.num_tasks[worker] += 1
-            self.sent[worker].append(send_idx)
+            self.in_flight[worker].add(send_idx)
             self.yielded += 1
             yield (epoch, send_idx, index, worker)
 
