@@ -43,13 +43,14 @@ int mpl__populate(uint8_t *p, uint64_t n) {
     return MPL_OK;
 }
 
-uint64_t mpl__carve(mpl_region *r, uint64_t n, int *err) {
+uint64_t mpl__carve(mpl_region *r, uint64_t n, uint64_t alloc, int *err) {
     mpl_ctl *c = ctl_of(r);
     if (n > r->reserve_bytes) { /* also keeps round_up below from wrapping */
         *err = MPL_ENOSPACE;
         return 0;
     }
     n = round_up(n ? n : MPL_PAGE, MPL_PAGE);
+    alloc = alloc < n ? round_up(alloc ? alloc : MPL_PAGE, MPL_PAGE) : n;
     /* Relaxed CAS loop: the counter only has to hand out disjoint ranges, and only
      * ranges that fit the reservation (a refused request must not use it up); the
      * pages are published to other processes by the slot state word later. */
@@ -62,12 +63,20 @@ uint64_t mpl__carve(mpl_region *r, uint64_t n, int *err) {
     } while (!atomic_compare_exchange_weak_explicit(&c->file_end, &off, off + n, memory_order_relaxed,
                                                     memory_order_relaxed));
     /* Mode 0 extends the file when off+n is past its end and never shrinks it, so
-     * concurrent carves in several processes cannot undo one another. */
-    if (fallocate(r->fd, 0, (off_t)off, (off_t)n) != 0) {
+     * concurrent carves in several processes cannot undo one another.  A range
+     * allocated only in part gets its last page allocated (the file's size then
+     * covers it: the span checks of ring.c compare with the size) and punched out. */
+    if (fallocate(r->fd, 0, (off_t)off, (off_t)alloc) != 0) {
         *err = MPL_ESYS;
         return 0;
     }
-    if (mpl__populate(r->base + off, n) != MPL_OK) {
+    if (alloc < n && (fallocate(r->fd, 0, (off_t)(off + n - MPL_PAGE), (off_t)MPL_PAGE) != 0 ||
+                      fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(off + n - MPL_PAGE),
+                                (off_t)MPL_PAGE) != 0)) {
+        *err = MPL_ESYS;
+        return 0;
+    }
+    if (mpl__populate(r->base + off, alloc) != MPL_OK) {
         *err = MPL_ESYS;
         return 0;
     }

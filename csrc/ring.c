@@ -324,11 +324,9 @@ static int held_assigned(mpl_slot_hdr *h) {
  * of this mapping (a stray writer may have changed it; then only the capacity, which
  * mpl_slot_begin checked, is trusted), and never more than the capacity in a pinned
  * region.  The caller holds the slot ASSIGNED. */
-static uint64_t own_span(mpl_region *r, const mpl_slot_hdr *h) {
+static uint64_t own_span(mpl_region *r, const mpl_slot_hdr *h, int pinned) {
     const mpl_slot_meta *m = &h->meta;
-    /* Acquire: pairs with the release store of mpl_region_set_pinned, which the
-     * parent makes before it registers the first page (region.c). */
-    if (atomic_load_explicit(&ctl_of(r)->pinned, memory_order_acquire))
+    if (pinned)
         return m->capacity;
     uint64_t span = h->span;
     if (span <= m->capacity || span % MPL_PAGE != 0 ||
@@ -347,7 +345,10 @@ int mpl_slot_grow(mpl_region *r, uint32_t slot, uint64_t need, uint64_t preserve
     if (need > r->reserve_bytes) /* no range can hold it; also keeps round_up from wrapping */
         return MPL_ENOSPACE;
     uint64_t cap = round_up(need ? need : MPL_PAGE, MPL_PAGE);
-    uint64_t span = own_span(r, h);
+    /* Acquire: pairs with the release store of mpl_region_set_pinned, which the
+     * parent makes before it registers the first page (region.c). */
+    int pinned = (int)atomic_load_explicit(&ctl_of(r)->pinned, memory_order_acquire);
+    uint64_t span = own_span(r, h, pinned);
     if (cap <= span) {
         /* In place (docs/design.md, "Growth"): [offset, offset + span) is ours and
          * inside the file (own_span checked it against the file's size), so mode 0
@@ -379,8 +380,19 @@ int mpl_slot_grow(mpl_region *r, uint32_t slot, uint64_t need, uint64_t preserve
         preserve = m->capacity;
     if (preserve > need)
         preserve = need;
+    /* A slot that outgrows a range close to what it needs now takes half as much
+     * again (address space only: the pages past `cap` stay holes), so batches that
+     * creep up in size re-carve a geometric number of times, not once per new
+     * largest batch; if that does not fit the reservation, exactly `cap`. */
+    uint64_t want = cap;
+    if (!pinned && span && cap < span + span / 2)
+        want = round_up(span + span / 2, MPL_PAGE);
     int err = MPL_OK;
-    uint64_t off = mpl__carve(r, need, &err);
+    uint64_t off = mpl__carve(r, want, cap, &err);
+    if (off == 0 && err == MPL_ENOSPACE && want > cap) {
+        want = cap;
+        off = mpl__carve(r, want, cap, &err);
+    }
     if (off == 0)
         return err;
     if (preserve)
@@ -392,8 +404,8 @@ int mpl_slot_grow(mpl_region *r, uint32_t slot, uint64_t need, uint64_t preserve
     if (span)
         (void)fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)m->offset, (off_t)span);
     m->offset = off;
-    m->capacity = cap; /* mpl__carve rounded `need` up the same way */
-    h->span = cap;
+    m->capacity = cap;
+    h->span = want;
     m->grow_count++;
     mpl_region_note_size(r, need);
     return MPL_OK;

@@ -251,10 +251,13 @@ int mpl_slot_begin(mpl_region *r, uint32_t slot, uint64_t seq);
  * owns (its span: what it was last given, kept by mpl_slot_shrink, mpl_slot_trim and
  * a smaller grow): the added pages are allocated and faulted in, pages past the new
  * capacity are given back, offset stays, no address space is used.  Otherwise a
- * fresh range is carved from the reservation, the preserved bytes copied into it,
- * and the old range's memory released (its address space is not reused).  So a
- * slot uses address space for the largest payload it ever held, not once per grow.
- * In a pinned region (mpl_region_set_pinned) only a smaller grow stays in place.
+ * fresh range is carved from the reservation -- the new capacity, or 1.5 x the old
+ * span where that is more and fits (the part past the capacity left as holes) --
+ * the preserved bytes copied into it, and the old range's memory released (its
+ * address space is not reused).  So a slot uses address space for the largest
+ * payloads it held (at most 4.5 x the largest), not once per grow.  In a pinned
+ * region (mpl_region_set_pinned) only a smaller grow stays in place, and a fresh
+ * range is exactly the new capacity.
  * grow_count counts every grow of this slot since creation.  Returns 0,
  * MPL_ENOSPACE (a fresh range was needed and the reservation is exhausted; the slot
  * is unchanged), MPL_ESTATE (the slot is not ASSIGNED) or MPL_ESYS (errno set; the

@@ -71,9 +71,12 @@ static inline uint64_t payload_start(uint32_t nslots) {
 /* Fault in [p, p+n) for writing in this process (region.c).  Returns 0 or MPL_ESYS. */
 int mpl__populate(uint8_t *p, uint64_t n);
 
-/* Carve a page-aligned range of `n` bytes from the file and fault it in (region.c).
- * Returns its offset, or 0 (never a valid payload offset) with *err set to
- * MPL_ENOSPACE or MPL_ESYS. */
-uint64_t mpl__carve(mpl_region *r, uint64_t n, int *err);
+/* Carve a fresh page-aligned range of round_up(n, page) bytes (a page for 0) from
+ * the file, allocate and fault in its first round_up(alloc, page) bytes (alloc <= n)
+ * and leave the rest holes, the file's size covering the whole range (region.c).
+ * On success returns its offset; on failure 0 (never a valid payload offset) with
+ * *err set to MPL_ENOSPACE (the reservation cannot hold it; nothing used up) or
+ * MPL_ESYS (errno set). */
+uint64_t mpl__carve(mpl_region *r, uint64_t n, uint64_t alloc, int *err);
 
 #endif /* MPLOADER_RING_IMPL_H */

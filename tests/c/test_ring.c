@@ -1439,7 +1439,20 @@ static void contract_span(void) {
     }
     CHECK(mpl_region_file_bytes(&r) == fb, "400 outliers used %" PRIu64 " bytes of address space",
           mpl_region_file_bytes(&r) - fb);
-    /* beyond the span: a fresh range of exactly the new capacity, the old range given back */
+    /* just beyond the span: a fresh range of 1.5 x the span, the pages past the capacity
+     * holes; then a grow up to it is in place */
+    uint64_t alloc0 = file_alloc_bytes(r.fd);
+    span_batch(&r, 850, 4096, BIG + 4096);
+    CHECK(m->capacity == BIG + 4096 && mpl_slot_span(&r, 0) == BIG + BIG / 2 && m->offset >= off + span,
+          "grow just past the span %" PRIu64 ": [%" PRIu64 ", +%" PRIu64 ") span %" PRIu64 ", expected span %" PRIu64,
+          span, m->offset, m->capacity, mpl_slot_span(&r, 0), BIG + BIG / 2);
+    CHECK(file_alloc_bytes(r.fd) <= alloc0 + m->capacity, "the fresh range's holes hold memory: %" PRIu64 " -> %" PRIu64
+          " for a capacity of %" PRIu64, alloc0, file_alloc_bytes(r.fd), m->capacity);
+    off = m->offset;
+    span = mpl_slot_span(&r, 0);
+    span_batch(&r, 851, 4096, BIG + BIG / 2);
+    CHECK(m->offset == off && m->capacity == span, "a grow to the new span moved the slot");
+    /* far beyond the span: a fresh range of exactly the new capacity, the old range given back */
     uint64_t alloc = file_alloc_bytes(r.fd);
     span_batch(&r, 900, 4096, (2u << 20) + 1);
     CHECK(m->offset >= off + span && mpl_slot_span(&r, 0) == (2u << 20) + 4096 && m->capacity == (2u << 20) + 4096,
@@ -1471,6 +1484,19 @@ static void contract_span(void) {
     CHECK_RC(mpl_slot_grow(&r, 0, span2, 0), MPL_OK);
     CHECK(m->offset == off2 && m->capacity == span2, "grow in place after the span was restored moved the slot");
     CHECK_RC(mpl_slot_reclaim(&r, 0), MPL_OK);
+    mpl_region_unmap(&r);
+
+    /* 1.5 x the span does not fit the reservation, the capacity does: exactly the capacity */
+    rc = mpl_region_create(&r, 1, 0, 1u << 20);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(1, 0, 1 MiB) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    m = mpl_slot_meta_of(&r, 0);
+    span_batch(&r, 1, UINT64_MAX, 480u << 10);     /* file end 488 KiB of 1 MiB */
+    span_batch(&r, 2, 0, 500u << 10);              /* 720 KiB would not fit, 500 KiB does */
+    CHECK(m->capacity == (500u << 10) && mpl_slot_span(&r, 0) == (500u << 10),
+          "near a full reservation: capacity %" PRIu64 " span %" PRIu64, m->capacity, mpl_slot_span(&r, 0));
     mpl_region_unmap(&r);
 
     /* pinned: a punched range is never faulted in again, the grow takes a fresh range */
@@ -1894,10 +1920,12 @@ static void verify_lease(mpl_region *r, const cfg_t *cfg, slot_model_t *sm, uint
               seq, slot, grow_target(&pl), x->span, x->off, m->offset, m->capacity, span);
         stats->in_place++;
     } else {
-        CHECK(span == page_up(u64max(grow_target(&pl), 1)) && m->capacity == span &&
+        /* the new capacity, or 1.5 x a span close to it (<= 1.5 x the capacity) */
+        uint64_t cap = page_up(u64max(grow_target(&pl), 1));
+        CHECK(m->capacity == cap && span >= cap && span <= page_up(cap + cap / 2) &&
                   (x->span == 0 || !ranges_overlap(m->offset, span, x->off, x->span)),
               "seq %" PRIu64 " slot %u: grow to %" PRIu64 " past span %" PRIu64 ": [%" PRIu64 ", +%" PRIu64
-              ") span %" PRIu64 ", expected a fresh range of the new capacity",
+              ") span %" PRIu64 ", expected a fresh range for the new capacity",
               seq, slot, grow_target(&pl), x->span, m->offset, m->capacity, span);
     }
     /* The header check mpl_slot_take applies accepts every honest header, while
