@@ -14,13 +14,26 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import _engine
+from ._face import Face
 
 __all__ = ["InlineLoader", "InlineRun", "fetch_examples"]
 
 
-def fetch_examples(dataset: Any, indices: list, alloc: Callable) -> list:
-    """A Chainer batch: the list of examples exactly as the dataset returns them."""
-    return [dataset[i] for i in indices]
+class _Examples(Face):
+    """The Chainer face's worker contract (:class:`mploader._face.Face`): a batch is
+    the list of examples exactly as the dataset returns them (nothing collated)."""
+
+    __slots__ = ()
+
+    def load(self, dataset: Any, indices: list) -> list:
+        return [dataset[i] for i in indices]
+
+    def collate(self, samples: list, alloc: Callable) -> list:
+        return samples
+
+
+#: The Chainer face's ``fetch(dataset, indices, alloc) -> list of examples``.
+fetch_examples = _Examples()
 
 
 def _serve(requests: queue.SimpleQueue) -> None:

@@ -47,7 +47,7 @@ from . import _structure as S
 from ._inband import CorruptDescriptor, InbandPickler, simple_dtype
 from ._sizing import HEADROOM, shrink, sizing_for
 
-__all__ = ["ALIGN", "CorruptDescriptor", "SlotWriter", "decode"]
+__all__ = ["ALIGN", "CorruptDescriptor", "SlotWriter", "Structures", "decode"]
 
 #: Alignment of every array (and of the descriptor) in a slot payload, bytes.
 ALIGN = 64
@@ -98,11 +98,14 @@ class SlotWriter:
     """
 
     __slots__ = ("base", "capacity", "described", "flags", "handed", "keep_descriptor", "mv", "region", "sizing",
-                 "slot", "used")
+                 "slot", "structures", "used")
 
-    def __init__(self, region: _ring.Region, slot: int, seq: int) -> None:
+    def __init__(self, region: _ring.Region, slot: int, seq: int, structures: Structures | None = None) -> None:
         self.region = region
         self.slot = slot
+        #: where ``finish`` finds and keeps the encoding of each structure (the worker
+        #: loop's :class:`Structures`; default: this process's, :data:`_LAYOUTS`)
+        self.structures = _STRUCTURES if structures is None else structures
         self.flags = 0
         self.used = 0
         self.handed: dict[int, tuple] = {}  # id(array from alloc) -> (array, offset)
@@ -152,13 +155,7 @@ class SlotWriter:
         """
         enc = _Encoder(self)
         enc.walk(obj, 0)
-        sig = tuple(enc.sig)
-        layout = _LAYOUTS.get(sig)
-        if layout is None:
-            layout = S.compile_layout(sig)
-            if len(_LAYOUTS) >= S.CACHE_ENTRIES:
-                _LAYOUTS.clear()
-            _LAYOUTS[sig] = layout
+        layout = self.structures.layout(tuple(enc.sig))
         var = enc.var
         var_len = sum(map(len, var)) if var else 0
         desc_off = (enc.end + ALIGN - 1) & ~(ALIGN - 1)
@@ -199,8 +196,45 @@ class SlotWriter:
         self.sizing.note(plan.total)
 
 
-#: Worker cache: structure signature -> its encoding.
+class Structures:
+    """One worker's cache of the batch structures it has met: the one place where
+    "this structure repeats" is kept (docs/design.md, "Batch plans").
+
+    ``layouts``: structure signature (the walk of :meth:`SlotWriter.finish`) -> its
+    descriptor encoding (:class:`mploader._structure.Layout`), at most
+    ``CACHE_ENTRIES`` (all dropped when full).  ``plans``: (batch size, tail length)
+    -> the batch plan learnt from a published batch of one structure
+    (:class:`mploader._plan.Plan`, kept by :class:`mploader._plan.Planner`), at most
+    ``max_plans`` (all dropped when full).  The worker loop makes one per worker and
+    hands it to every :class:`SlotWriter` and to its planner."""
+
+    __slots__ = ("layouts", "max_plans", "plans")
+
+    def __init__(self, max_plans: int, layouts: dict | None = None) -> None:
+        self.layouts: dict[tuple, S.Layout] = {} if layouts is None else layouts
+        self.plans: dict[tuple, Any] = {}
+        self.max_plans = max_plans
+
+    def layout(self, sig: tuple) -> S.Layout:
+        """The encoding of the structure ``sig``, compiled at its first batch."""
+        layout = self.layouts.get(sig)
+        if layout is None:
+            layout = S.compile_layout(sig)
+            if len(self.layouts) >= S.CACHE_ENTRIES:
+                self.layouts.clear()
+            self.layouts[sig] = layout
+        return layout
+
+    def keep_plan(self, key: tuple, plan: Any) -> None:
+        """Keep ``plan`` for the batches of ``key`` (replacing the one there)."""
+        if len(self.plans) >= self.max_plans and key not in self.plans:
+            self.plans.clear()
+        self.plans[key] = plan
+
+
+#: This process's structure encodings, for writers made without a loop's cache (tests, benchmarks).
 _LAYOUTS: dict[tuple, S.Layout] = {}
+_STRUCTURES = Structures(1, _LAYOUTS)  # (no planner keeps plans here)
 
 
 class _Encoder:

@@ -1,14 +1,17 @@
 """Batch plans: a repeating batch structure collated and described in one C call.
 
-A worker's first batch of a structure goes the generic way: the face's collate rule
-writes through ``SlotWriter.alloc``, ``SlotWriter.finish`` encodes the descriptor.
-:meth:`Planner.learn` then records, from that batch, where each field's column lies
-in the payload and the descriptor bytes.  Every later batch of the same batch size
-is offered to :meth:`Planner.publish` first: :meth:`mploader._columns.BatchPlan.fill`
-checks each sample against the plan (exact types, dtypes, shapes) while it copies
-it into its column, writes the recorded descriptor and the slot is published.  A
-batch that does not match goes the generic way, in the same slot, and its
-structure becomes the plan (docs/design.md, "Batch plans").
+The worker loop (:mod:`mploader._worker`) owns the plans: it offers the samples of
+every batch that the face calls plannable (:meth:`mploader._face.Face.plannable`)
+to :meth:`Planner.publish`.  A worker's first batch of a structure goes the generic
+way: the face's collate rule writes through ``SlotWriter.alloc``,
+``SlotWriter.finish`` encodes the descriptor.  :meth:`Planner.learn` then records,
+from that batch, where each field's column lies in the payload and the descriptor
+bytes, in the worker's structure cache (:class:`mploader._descriptor.Structures`).
+Every later batch of the same batch size is offered to :meth:`Planner.publish`
+first: :meth:`mploader._columns.BatchPlan.fill` checks each sample against the plan
+(exact types, dtypes, shapes) while it copies it into its column, writes the
+recorded descriptor and the slot is published.  A batch that does not match goes
+the generic way, in the same slot, and its structure becomes the plan (docs/design.md, "Batch plans").
 
 The generic path is the definition; a plan is only made for the cases where the
 rule's output is a function of the samples' types, dtypes and shapes alone:
@@ -27,19 +30,9 @@ from typing import Any
 import numpy as np
 
 from . import _columns
+from ._descriptor import Structures
 
-__all__ = ["PUBLISHED", "Plan", "Planner", "make_plan"]
-
-
-class _Published:
-    """The type of :data:`PUBLISHED`."""
-
-    def __repr__(self) -> str:
-        return "PUBLISHED"
-
-
-#: What a face's ``planned`` fetch returns when its batch is already published.
-PUBLISHED = _Published()
+__all__ = ["Plan", "Planner", "make_plan"]
 
 #: Plans learnt in a row without one batch published by a plan, after which a
 #: worker stops learning (a structure that changes with every batch).
@@ -166,19 +159,28 @@ def make_plan(samples: list, collated: Any, writer: Any, other: OtherColumn | No
 class Planner:
     """One worker's plans for one collate rule (see the module's docstring).
 
-    A face's fetch offers each batch's samples to :meth:`publish`; when that
-    declines it collates them the generic way and hands the samples and the
-    collated structure to :meth:`remember`; after the batch was published the
-    worker calls :meth:`learn`.
+    The worker loop offers each plannable batch's samples to :meth:`publish`; when
+    that declines it has the face collate them the generic way and hands the
+    samples and the collated structure to :meth:`remember`; after the batch was
+    published it calls :meth:`learn`.  The plans live in ``structures.plans`` (the
+    worker's :class:`~mploader._descriptor.Structures`; a cache of its own when not
+    given), keyed by (batch size, tail length).
     """
 
-    __slots__ = ("other", "pending", "plans", "unused")
+    __slots__ = ("other", "pending", "structures", "unused")
 
-    def __init__(self, other: OtherColumn | None = None) -> None:
+    def __init__(self, other: OtherColumn | None = None, structures: Structures | None = None) -> None:
+        if structures is None:
+            structures = Structures(MAX_PLANS)
         self.other = other                  # the face's plans for other leaves (make_plan)
-        self.plans: dict[tuple, Plan] = {}  # (batch size, tail length) -> Plan
+        self.structures = structures        # where the plans are kept
         self.pending: tuple | None = None   # (samples, collated, tail) of the batch being finished
         self.unused = 0                     # plans learnt since a plan last published a batch
+
+    @property
+    def plans(self) -> dict[tuple, Plan]:
+        """(batch size, tail length) -> :class:`Plan` (``structures.plans``)."""
+        return self.structures.plans
 
     def publish(self, samples: list, writer: Any, tail: bytes | None = None) -> bool:
         """Write and publish ``samples`` by the plan for their batch size and the
@@ -186,7 +188,7 @@ class Planner:
         False (nothing published) when there is none or they do not match it."""
         if type(samples) is not list:
             return False  # (a dataset's __getitems__ may return another sequence)
-        plan = self.plans.get((len(samples), len(tail) if tail else 0))
+        plan = self.structures.plans.get((len(samples), len(tail) if tail else 0))
         if plan is None or not plan.fill(samples, writer, tail):
             return False
         writer.publish_plan(plan.core)
@@ -208,8 +210,5 @@ class Planner:
             return
         plan = make_plan(pending[0], pending[1], writer, self.other, pending[2])
         self.unused += 1
-        if plan is None:
-            return
-        if len(self.plans) >= MAX_PLANS:
-            self.plans.clear()
-        self.plans[(plan.batch_size, plan.tail)] = plan
+        if plan is not None:
+            self.structures.keep_plan((plan.batch_size, plan.tail), plan)

@@ -18,7 +18,7 @@ from torch.utils.data._utils import worker as _torch_worker
 
 from . import _rng_state
 from . import _worker as _mpl_worker
-from ._plan import PUBLISHED, Planner
+from ._face import Face
 from ._torch_collate import collate_into, convert_into, pack, plan_tensor_column, stock_default_collate
 
 _MASK32 = 0xFFFFFFFF
@@ -105,11 +105,11 @@ ARRAYS, PACKED, EXHAUSTED = 0, 1, 2
 DEFAULT, CONVERT, CUSTOM = "default", "convert", "custom"
 
 
-class Fetch:
-    """The engine's ``fetch(dataset, indices, alloc)`` for the torch face.
+class Fetch(Face):
+    """The torch face's worker contract (:class:`mploader._face.Face`).
 
-    Returns ``(worker_id, payload, kind, rng)``: ``kind`` ARRAYS -- the batch with arrays
-    where torch has tensors (the parent applies
+    The batch is ``(worker_id, payload, kind, rng)``: ``kind`` ARRAYS -- the batch with
+    arrays where torch has tensors (the parent applies
     :func:`~mploader._torch_collate.to_tensors`); PACKED -- a
     :func:`~mploader._torch_collate.pack` result (the parent unpacks it); EXHAUSTED
     -- no batch, this worker's IterableDataset replica is exhausted (payload None).
@@ -127,10 +127,14 @@ class Fetch:
 
     ``mode``: DEFAULT (:func:`collate_into`, or ``default_collate`` + :func:`pack`
     when ``default_collate_fn_map`` was extended), CONVERT (:func:`convert_into`),
-    CUSTOM (``collate_fn`` + :func:`pack`).
+    CUSTOM (``collate_fn`` + :func:`pack`).  A map-style batch collated by torch's
+    own ``default_collate`` is plannable (tensor columns: :func:`plan_tensor_column`).
 
-    ``rng`` is None here; :class:`CapturingFetch` sends the worker's RNG states.
+    ``rng`` (the :meth:`tail`) is None here; :class:`CapturingFetch` sends the
+    worker's RNG states.
     """
+
+    other_columns = staticmethod(plan_tensor_column)
 
     def __init__(self, mode: str, collate_fn: Callable, auto_collation: bool, drop_last: bool) -> None:
         self.mode = mode
@@ -141,48 +145,33 @@ class Fetch:
         self._iter: Any = None
         self._ended = False
 
-    def __call__(self, dataset: Any, indices: Any, alloc: Callable) -> tuple[int, Any, int, bytes | None]:
-        wid = _worker_id()
+    def load(self, dataset: Any, indices: Any) -> Any:
         if isinstance(dataset, IterableDataset):
-            data = self._next_samples(dataset, indices)
-            if data is _END:
-                return (wid, None, EXHAUSTED, None)
-        elif self.auto_collation:
-            data = _map_samples(dataset, indices)
-        else:
-            data = dataset[indices]
+            return self._next_samples(dataset, indices)   # (_END when the replica has no batch left)
+        if self.auto_collation:
+            return _map_samples(dataset, indices)
+        return dataset[indices]
+
+    def collate(self, samples: Any, alloc: Callable) -> Any:
+        """The payload, or :class:`_Packed` around it, or ``_END``."""
+        if samples is _END:
+            return _END
         if self.mode == DEFAULT and stock_default_collate():
-            return (wid, collate_into(data, alloc), ARRAYS, None)
+            return collate_into(samples, alloc)
         if self.mode == CONVERT:
-            return (wid, convert_into(data), ARRAYS, None)
-        return (wid, pack(self.collate_fn(data)), PACKED, None)
+            return convert_into(samples)
+        return _Packed(pack(self.collate_fn(samples)))
 
-    def make_planner(self) -> Planner | None:
-        """A worker's :class:`~mploader._plan.Planner` when batches are collated by
-        torch's own ``default_collate`` from a map-style dataset; else None."""
-        return Planner(plan_tensor_column) if self.mode == DEFAULT and self.auto_collation else None
+    def plannable(self, dataset: Any, samples: Any) -> bool:
+        return (self.mode == DEFAULT and self.auto_collation and not isinstance(dataset, IterableDataset)
+                and stock_default_collate())
 
-    def _plannable(self, dataset: Any) -> bool:
-        return not isinstance(dataset, IterableDataset) and stock_default_collate()
-
-    def _states(self) -> bytes | None:
-        """The RNG states a batch carries (none here; :class:`CapturingFetch`)."""
-        return None
-
-    def planned(self, dataset: Any, indices: Any, writer: Any, planner: Planner) -> Any:
-        """As ``__call__`` into ``writer``'s slot, by ``planner``'s plan when the batch
-        matches one (then already published: returns :data:`~mploader._plan.PUBLISHED`).
-        RNG states a batch carries end its descriptor: the plan writes them after the
-        recorded bytes (a plan per their length, :class:`mploader._plan.Plan`)."""
-        if not self._plannable(dataset):
-            return self(dataset, indices, writer.alloc)
-        data = _map_samples(dataset, indices)
-        rng = self._states()
-        if planner.publish(data, writer, rng):
-            return PUBLISHED
-        payload = collate_into(data, writer.alloc)
-        planner.remember(data, payload, rng)
-        return (_worker_id(), payload, ARRAYS, rng)
+    def wrap(self, collated: Any, tail: bytes | None) -> tuple[int, Any, int, bytes | None]:
+        if collated is _END:
+            return (_worker_id(), None, EXHAUSTED, tail)
+        if type(collated) is _Packed:
+            return (_worker_id(), collated.packed, PACKED, tail)
+        return (_worker_id(), collated, ARRAYS, tail)
 
     def _next_samples(self, dataset: Any, indices: Any) -> Any:
         _, epoch, n = indices
@@ -242,35 +231,37 @@ class CapturingFetch(Fetch):
         except Exception:  # noqa: BLE001 - an exception type without attributes: the state is not known
             pass
 
-    def __call__(self, dataset: Any, indices: Any, alloc: Callable) -> tuple[int, Any, int, bytes | None]:
+    def load(self, dataset: Any, indices: Any) -> Any:
         self._new_run()
         try:
-            wid, payload, kind, _ = super().__call__(dataset, indices, alloc)
+            return super().load(dataset, indices)
         except Exception as exc:
             self._failed(exc)
             raise
-        rng = _rng_state.capture_if_changed(self._sent)
-        if rng is None:
-            return (wid, payload, kind, None)
-        self._sent = rng
-        return (wid, payload, kind, rng)
 
-    def _states(self) -> bytes | None:
-        # Captured before collation, which draws nothing with torch's own
-        # default_collate (the only rule with plans).
+    def collate(self, samples: Any, alloc: Callable) -> Any:
+        try:
+            return super().collate(samples, alloc)
+        except Exception as exc:
+            self._failed(exc)
+            raise
+
+    def tail(self) -> bytes | None:
+        # Taken after collation, which may draw too, or, for a plannable batch, before
+        # it: torch's own default_collate (the only rule with plans) draws nothing.
         rng = _rng_state.capture_if_changed(self._sent)
         if rng is not None:
             self._sent = rng
         return rng
 
-    def planned(self, dataset: Any, indices: Any, writer: Any, planner: Planner) -> Any:
-        """:meth:`Fetch.planned` with the RNG states of ``__call__``."""
-        self._new_run()
-        try:
-            return super().planned(dataset, indices, writer, planner)
-        except Exception as exc:
-            self._failed(exc)
-            raise
+
+class _Packed:
+    """:meth:`Fetch.collate`'s result for a PACKED batch."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, packed: Any) -> None:
+        self.packed = packed
 
 
 #: ``_next_samples``' answer when the replica has no (full) batch left.

@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 
 from . import _bad_samples, _ring, _rng_state, _spec, _stacks
-from ._descriptor import SlotWriter
+from ._descriptor import SlotWriter, Structures
 from ._errors import BatchFailure
+from ._face import Face
 from ._metrics import WorkerBusy
-from ._plan import PUBLISHED
+from ._plan import MAX_PLANS, Planner
 from ._protocol import PIPE_HEADER, TaskReader
 
 _MASK64 = (1 << 64) - 1
@@ -70,7 +71,7 @@ class WorkerSpec:
     fallback once), so that forked workers inherit that check instead of repeating it."""
 
     dataset: Any
-    fetch: Callable[[Any, Any, Callable], Any]   # (dataset, indices, alloc) -> batch
+    fetch: Callable[[Any, Any, Callable], Any]   # a mploader._face.Face, or (dataset, indices, alloc) -> batch
     seed: int
     reseed_per_batch: bool
     worker_init: Callable[[int, int], None] | None
@@ -210,19 +211,89 @@ def _init(spec: WorkerSpec, worker_id: int) -> BatchFailure | None:
 task_epoch = -1
 
 
+class Batches:
+    """One worker's way from a task to a published batch: load, plan, collate,
+    publish, learn (docs/faces.md, "The worker contract").
+
+    ``fetch`` is the engine's: a :class:`mploader._face.Face`, whose steps this runs
+    -- offering every batch the face calls plannable to the worker's batch plans
+    (:mod:`mploader._plan`) -- or a plain ``fetch(dataset, indices, alloc)``
+    callable, called as it is.  The plans and the descriptor encodings of the
+    structures this worker has met live in one cache, ``structures``
+    (:class:`mploader._descriptor.Structures`), which every :meth:`writer` uses.
+    """
+
+    __slots__ = ("face", "fetch", "planner", "structures")
+
+    def __init__(self, fetch: Callable) -> None:
+        self.fetch = fetch
+        self.face: Face | None = fetch if isinstance(fetch, Face) else None
+        self.structures = Structures(MAX_PLANS)
+        self.planner = Planner(self.face.other_columns, self.structures) if self.face is not None else None
+
+    def writer(self, region: Any, slot: int, seq: int) -> SlotWriter:
+        """The writer of task ``seq``'s batch into ``slot`` (ASSIGNED to it)."""
+        return SlotWriter(region, slot, seq, self.structures)
+
+    def make(self, dataset: Any, indices: Any, writer: SlotWriter | None, guard: Any = None) -> tuple[Any, bool]:
+        """``(batch, False)``: the batch of ``indices`` for :meth:`deliver`; or
+        ``(None, True)``: a plan wrote it into ``writer``'s slot and published it.
+        ``writer`` None: no slot (the batch goes through the pipe).  ``guard``: the
+        :class:`mploader._bad_samples.Guard` over ``dataset`` under ``"skip"`` /
+        ``"substitute"``, which loads again without a sample that raised.  Raises
+        what the face raises."""
+        alloc = writer.alloc if writer is not None else np.empty
+        face = self.face
+        if face is None:
+            fetch = self.fetch
+            if guard is not None:
+                return guard.fetch(lambda left: fetch(guard, left, alloc), indices), False
+            return fetch(dataset, indices, alloc), False
+        if guard is not None:
+            dataset = guard
+            samples = guard.fetch(lambda left: face.load(guard, left), indices)
+        else:
+            samples = face.load(dataset, indices)
+        if writer is not None and face.plannable(dataset, samples):
+            planner = self.planner
+            assert planner is not None
+            tail = face.tail()
+            if planner.publish(samples, writer, tail):
+                return None, True
+            collated = face.collate(samples, alloc)
+            planner.remember(samples, collated, tail)
+            return face.wrap(collated, tail), False
+        return face.wrap(face.collate(samples, alloc), face.tail()), False
+
+    def deliver(self, send: Callable[[bytes], None], writer: SlotWriter | None, seq: int, kind: int,
+                batch: Any) -> None:
+        """Publish ``batch`` (made by :meth:`make`, or a failure) in ``writer``'s slot,
+        or send it through the pipe; the descriptor is kept when a plan is to be
+        learnt from it.  Raises what serialising the batch raises."""
+        planner = self.planner
+        if writer is not None and planner is not None and planner.pending is not None:
+            writer.keep_descriptor = True  # the plan is learnt from it (mploader._plan)
+        _deliver(send, writer, seq, kind, batch)
+
+    def learn(self, writer: SlotWriter | None) -> None:
+        """After :meth:`deliver`: the plan of the batch, when it was published in the
+        slot (forgotten otherwise)."""
+        if self.planner is not None:
+            self.planner.learn(writer)
+
+
 def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFailure | None) -> None:
     global task_epoch
     conn = boot.conn
     reader = TaskReader(conn.fileno())
     send = conn.send_bytes
-    dataset, fetch, base_seed, reseed = spec.dataset, spec.fetch, spec.seed, spec.reseed_per_batch
+    dataset, base_seed, reseed = spec.dataset, spec.seed, spec.reseed_per_batch
     wid = boot.worker_id
     meter = WorkerBusy(boot.busy) if boot.busy is not None else None
-    make_planner = getattr(fetch, "make_planner", None)  # batch plans (mploader._plan)
-    planner = make_planner() if make_planner is not None else None
+    batches = Batches(spec.fetch)
     guard = None
     if spec.on_error != "raise":  # dataset[i] raising: substitute or skip, reported to the parent
-        dataset = guard = _bad_samples.Guard(dataset, spec.on_error, base_seed, send)
+        guard = _bad_samples.Guard(dataset, spec.on_error, base_seed, send)
     while True:
         try:
             task = reader.next()
@@ -240,9 +311,9 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
         task_epoch = epoch
         if reseed and not cancelled:
             seed_rngs(batch_seed(base_seed, epoch, batch_index))
-        writer = SlotWriter(region, slot, seq) if slot >= 0 else None
-        alloc = writer.alloc if writer is not None else np.empty
+        writer = batches.writer(region, slot, seq) if slot >= 0 else None
         batch: Any
+        published = False
         if cancelled:
             batch, kind = None, _ring.KIND_SLOT
         elif init_failure is not None:
@@ -253,11 +324,7 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
             try:
                 if guard is not None:
                     guard.seq, guard.epoch, guard.batch_index = seq, epoch, batch_index
-                    batch = guard.fetch(_fetcher(fetch, dataset, writer, planner, alloc), indices)
-                elif planner is not None and writer is not None:
-                    batch = fetch.planned(dataset, indices, writer, planner)  # type: ignore[attr-defined]
-                else:
-                    batch = fetch(dataset, indices, alloc)
+                batch, published = batches.make(dataset, indices, writer, guard)
                 kind = _ring.KIND_SLOT
             except SystemExit:
                 raise
@@ -265,29 +332,20 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
                 batch = BatchFailure.capture(exc, seq, indices, wid)
                 kind = _ring.KIND_ERROR
                 del exc
-        if batch is not PUBLISHED:  # (else a plan wrote and published it: mploader._plan)
-            if writer is not None and planner is not None and planner.pending is not None:
-                writer.keep_descriptor = True  # the plan is learnt from it (mploader._plan)
+        if not published:  # (else a plan wrote and published it: mploader._plan)
             try:
-                _deliver(send, writer, seq, kind, batch)
+                batches.deliver(send, writer, seq, kind, batch)
             except (pickle.PicklingError, TypeError, AttributeError, ValueError, struct.error) as exc:
                 # The batch cannot be serialised (a lambda, a generator, ...): report
                 # that to the parent as this batch's error instead of dying.
                 failure = BatchFailure.capture(exc, seq, indices, wid,
                                                stage="serialising (the batch could not be serialised)")
                 _deliver(send, writer, seq, _ring.KIND_ERROR, failure)
-            if planner is not None and not cancelled:
-                planner.learn(writer)  # (forgets the batch unless it was published in the slot)
+            if not cancelled:
+                batches.learn(writer)  # (forgets the batch unless it was published in the slot)
         if meter is not None:
             meter.stop()
-        del batch, writer, alloc, task, indices
-
-
-def _fetcher(fetch: Any, dataset: Any, writer: SlotWriter | None, planner: Any, alloc: Callable) -> Callable:
-    """``indices -> batch``: the face's fetch of one task (by its plan where it has one)."""
-    if planner is not None and writer is not None:
-        return lambda indices: fetch.planned(dataset, indices, writer, planner)
-    return lambda indices: fetch(dataset, indices, alloc)
+        del batch, writer, task, indices
 
 
 def _deliver(send: Callable[[bytes], None], writer: SlotWriter | None, seq: int, kind: int, obj: Any) -> None:

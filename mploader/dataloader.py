@@ -11,21 +11,24 @@ from . import _bad_samples, _diagnose, _engine, _metrics, _pinning, _state, _ste
 from ._collate import Alloc, collate_gluon
 from ._errors import is_batch_error
 from ._executors import START_METHODS
+from ._face import Face
 from ._options import LoaderOptions, check_callable, check_choice, check_dataset, check_int
-from ._plan import PUBLISHED, Planner
 from .batchify import collate
 from .sampler import BatchSampler, RandomSampler, SequentialSampler
 
 _LAST_BATCH = ("keep", "discard", "rollover")
 
 
-class BatchifyFetch:
-    """``fetch(dataset, indices, alloc)`` of the Gluon face: one batch of indices.
+class BatchifyFetch(Face):
+    """The Gluon face's worker contract (:class:`mploader._face.Face`): one batch of
+    indices.
 
-    Batchify functions with a ``collate(samples, alloc)`` method (the default, which
-    is Gluon's ``default_batchify_fn`` rule, and those of :mod:`mploader.batchify`)
-    write straight into ``alloc``'s arrays; any other callable is called as
-    ``batchify_fn(samples)`` and its arrays are copied into the slot once.
+    ``load`` reads ``[dataset[i] for i in indices]``.  Batchify functions with a
+    ``collate(samples, alloc)`` method (the default, which is Gluon's
+    ``default_batchify_fn`` rule, and those of :mod:`mploader.batchify`) write
+    straight into ``alloc``'s arrays; any other callable is called as
+    ``batchify_fn(samples)`` and its arrays are copied into the slot once.  A list of
+    samples under the default rule is plannable.
     """
 
     __slots__ = ("batchify_fn",)
@@ -33,28 +36,16 @@ class BatchifyFetch:
     def __init__(self, batchify_fn: Callable | None) -> None:
         self.batchify_fn = batchify_fn
 
+    def load(self, dataset: Any, indices: Sequence[Any]) -> Any:
+        return [dataset[i] for i in indices]
+
     def collate(self, samples: Sequence[Any], alloc: Alloc) -> Any:
         if self.batchify_fn is None:
             return collate_gluon(samples, alloc)
         return collate(self.batchify_fn, samples, alloc)
 
-    def __call__(self, dataset: Any, indices: Sequence[Any], alloc: Alloc) -> Any:
-        return self.collate([dataset[i] for i in indices], alloc)
-
-    def make_planner(self) -> Planner | None:
-        """A worker's :class:`~mploader._plan.Planner` for the default rule; None for a
-        ``batchify_fn``."""
-        return Planner() if self.batchify_fn is None else None
-
-    def planned(self, dataset: Any, indices: Sequence[Any], writer: Any, planner: Planner) -> Any:
-        """As ``__call__`` into ``writer``'s slot, by ``planner``'s plan when the batch
-        matches one (then already published: returns :data:`~mploader._plan.PUBLISHED`)."""
-        samples = [dataset[i] for i in indices]
-        if planner.publish(samples, writer):
-            return PUBLISHED
-        batch = collate_gluon(samples, writer.alloc)
-        planner.remember(samples, batch)
-        return batch
+    def plannable(self, dataset: Any, samples: Any) -> bool:
+        return self.batchify_fn is None and type(samples) is list
 
 
 def make_fetch(batchify_fn: Callable | None = None) -> BatchifyFetch:

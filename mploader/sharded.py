@@ -10,28 +10,34 @@ from .dataloader import BatchifyFetch, DataLoader
 __all__ = ["ShardedDataLoader"]
 
 
+class _Shards(list):
+    """The samples of a sharded batch: one list of samples per shard."""
+
+    __slots__ = ()
+
+
 class ShardedFetch(BatchifyFetch):
-    """``fetch(dataset, indices, alloc)`` with GluonNLP's sharding rule.
+    """The GluonNLP face's worker contract, with GluonNLP's sharding rule.
 
     As ``gluonnlp.data.ShardedDataLoader``'s worker: a batch whose first element is a
     list or tuple is a list of shards, and the result is the list of the shards'
-    batchified results, all built by this one call (one worker, one slot).  Any other
-    batch is batchified as :class:`~mploader.dataloader.BatchifyFetch` does.
+    batchified results, all built by this one task (one worker, one slot).  Any other
+    batch is loaded and batchified as :class:`~mploader.dataloader.BatchifyFetch`
+    does (and may go by a plan).
     """
 
     __slots__ = ()
 
-    def __call__(self, dataset: Any, indices: Sequence[Any], alloc: Alloc) -> Any:
+    def load(self, dataset: Any, indices: Sequence[Any]) -> Any:
         if len(indices) and isinstance(indices[0], (list, tuple)):
-            return [self.collate([dataset[i] for i in shard], alloc) for shard in indices]
-        return self.collate([dataset[i] for i in indices], alloc)
+            return _Shards([dataset[i] for i in shard] for shard in indices)
+        return [dataset[i] for i in indices]
 
-    def planned(self, dataset: Any, indices: Sequence[Any], writer: Any, planner: Any) -> Any:
-        """As ``__call__``; a batch that is not a list of shards may go by a plan
-        (:meth:`BatchifyFetch.planned`)."""
-        if len(indices) and isinstance(indices[0], (list, tuple)):
-            return self(dataset, indices, writer.alloc)
-        return super().planned(dataset, indices, writer, planner)
+    def collate(self, samples: Sequence[Any], alloc: Alloc) -> Any:
+        one = super().collate
+        if type(samples) is _Shards:
+            return [one(shard, alloc) for shard in samples]
+        return one(samples, alloc)
 
 
 class ShardedDataLoader(DataLoader):
