@@ -106,13 +106,13 @@ class Channel:
     def alive(self) -> bool:
         return self.status is None
 
-    def forget_records(self) -> None:
+    def forget_records(self, keep: list[tuple[Task | None, bytes]] | None = None) -> None:
         """The scheduler gave this worker up (stopped, failed, dead and replaced): its
-        records not yet sent and its tasks go with it."""
-        self.pending = []
-        self.unsent = []
-        self.outstanding.clear()
-        self.done = 0
+        records not yet sent go with it, but for ``keep`` (records of tasks already
+        detached from it, to be given to other workers), which stay in ``unsent`` --
+        the same list object, which ``Scheduler._resend`` may be going through."""
+        self.pending.clear()
+        self.unsent[:] = keep or []
 
     def reap(self, block: bool = False) -> bool:
         """Collect the exit status if the process has ended; True once it has."""

@@ -56,7 +56,7 @@ class Dispatch(Receive):
         per worker (:meth:`_send_pending`); records left over by an interrupted call
         are sent first, and always before anything waits for their batches."""
         engine = self.engine
-        if self.pending or self.unsent:
+        if self.outbox:
             self._send_pending()
         pushback = run.pushback
         depth = self.depth
@@ -88,7 +88,7 @@ class Dispatch(Receive):
                     worker.replaced = True
                     self.res.workers.append(engine._start_worker(worker.wid))
         finally:
-            if self.pending:
+            if self.outbox:
                 self._send_pending()
 
     def _dispatch_ready(self, run: Run, depth: int) -> int:
@@ -145,14 +145,14 @@ class Dispatch(Receive):
         for ever)."""
         clock: WaitClock | None = None
         while True:
-            if self.pending:
+            if self.outbox:
                 _steps.flush(self)
+            if not self.outbox:
+                return  # everything sent (the common case)
             if self.unsent:
                 if not self._resend():
                     return
                 continue  # the tasks handed on are buffered: send them
-            if not self.pending:
-                return
             clock = clock or WaitClock()
             self._wait_writable(clock)
 
@@ -187,8 +187,8 @@ class Dispatch(Receive):
         the batch it was loading.  False when no worker can take them now (they are
         tried again by the next call)."""
         region = self.res.region
-        for dead in list(self.unsent):
-            items = self.unsent[dead]
+        for dead in self.unsent:
+            items = dead.unsent
             if not dead.reap():
                 if not exited([dead], 1.0):  # its task pipe is closed: it can never be given work
                     try:
@@ -199,7 +199,8 @@ class Dispatch(Receive):
             tasks = [t for t, _ in items if t is not None]
             mine = set(map(id, tasks))
             if any(not t.stale and id(t) not in mine and not t.published(region) for t in dead.outstanding):
-                self.unsent.pop(dead, None)
+                items.clear()
+                self._settle(dead)
                 continue
             # Detached, so the dead worker owes nothing and is replaced; still in `unsent`
             # (an interrupted loop is finished by the next call).
@@ -216,8 +217,14 @@ class Dispatch(Receive):
                 if worker is None:
                     return False
                 _steps.hand_over(self, task, worker, frame, items)
-            self.unsent.pop(dead, None)  # (replace_dead may have dropped it, emptied)
+            self._settle(dead)  # (replace_dead may have emptied it already)
         return True
+
+    def keep_unsent(self, w: Channel, task: Task, frame: bytes) -> None:
+        """A record of ``w``'s (dead or dying) for :meth:`_resend` to give to another
+        worker (the watchdog's, when no worker can take it now)."""
+        w.unsent.append((task, frame))
+        self.outbox[w] = None
 
     # ---- choosing a worker and a slot ----
 

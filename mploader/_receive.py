@@ -51,8 +51,22 @@ class Receive:
     meter: Meter
     watchdog: Any                # mploader._watchdog.Watchdog or None
     ledger: _bad_samples.Ledger | None
-    pending: dict[Channel, list[tuple[Task | None, bytes]]]
-    unsent: dict[Channel, list[tuple[Task | None, bytes]]]
+    outbox: dict[Channel, None]    # the channels that hold records (pending or unsent)
+
+    @property
+    def pending(self) -> list[Channel]:
+        """The channels with task records buffered and not yet sent (``Channel.pending``)."""
+        return [w for w in self.outbox if w.pending]
+
+    @property
+    def unsent(self) -> list[Channel]:
+        """The channels with records that never reached their (dead) worker (``Channel.unsent``)."""
+        return [w for w in self.outbox if w.unsent]
+
+    def _settle(self, w: Channel) -> None:
+        """``w`` leaves the outbox once it holds no record."""
+        if not w.pending and not w.unsent:
+            self.outbox.pop(w, None)
 
     # ---- waiting for a batch ----
 
@@ -246,12 +260,10 @@ class Receive:
                     region.reclaim(t.slot)
             gone = set(map(id, dead.outstanding))
             self.stale = [t for t in self.stale if id(t) not in gone]
-            self.pending.pop(dead, None)
-            items = self.unsent.get(dead)
-            if items is not None:
-                items[:] = [(t, f) for t, f in items if t is not None and id(t) not in gone]
-                if not items:
-                    del self.unsent[dead]
+            # Its records not yet sent go with it (their slots were just reclaimed); tasks
+            # _resend already detached from it are kept, to be given to other workers.
+            dead.forget_records([(t, f) for t, f in dead.unsent if t is not None and id(t) not in gone])
+            self._settle(dead)
             dead.outstanding.clear()
             dead.done = 0
             dead.close_fds()
@@ -270,8 +282,9 @@ class Receive:
                     region.reclaim(slot)
         self.stale.clear()
         self.stale_pipe.clear()
-        self.pending.clear()
-        self.unsent.clear()
+        for w in [*self.outbox, *workers]:
+            w.forget_records()
+        self.outbox.clear()
 
     def _reap_stale(self) -> None:
         """Free the slots of batches nobody will consume (an abandoned iteration).

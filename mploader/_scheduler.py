@@ -76,11 +76,10 @@ class Scheduler(Dispatch):
         self.depth = engine.prefetch
         self.auto_max = engine.auto_prefetch or engine.prefetch
         self.calm = 0                # batches to wait before the depth rises again (_adapt_depth)
-        # Task records buffered per worker, sent by _steps.flush with one send() each (what a
-        # full socket did not take stays here); and those that never reached a dead
-        # worker's socket, for _resend.
-        self.pending: dict[Channel, list[tuple[Task | None, bytes]]] = {}
-        self.unsent: dict[Channel, list[tuple[Task | None, bytes]]] = {}
+        # The channels that hold task records (buffered for _steps.flush's one send() per
+        # worker, or never sent to a dead worker, for _resend): a dict used as an ordered
+        # set; each channel owns its records (Channel.pending, Channel.unsent).
+        self.outbox: dict[Channel, None] = {}
         # Runs superseded or dropped (weak references, appended by their death) whose
         # batches in flight are not yet stale, and each run's inflight deque.
         self.dropped: list[weakref.ref] = []

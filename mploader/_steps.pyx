@@ -20,20 +20,19 @@ from cpython.bytes cimport PyBytes_AS_STRING
 from mploader._protocol cimport write_loop
 
 
-cdef inline _buffer(dict pending, worker, task, bytes frame):
-    """Queue ``frame`` (``task``'s record; None: a RETIRE) for ``worker``."""
-    items = pending.get(worker)
-    if items is None:
-        pending[worker] = [(task, frame)]
-    else:
-        (<list>items).append((task, frame))
+cdef inline _buffer(dict outbox, worker, task, bytes frame):
+    """Queue ``frame`` (``task``'s record; None: a RETIRE) on ``worker``'s channel
+    (``worker.pending``), which is then in ``outbox`` (the scheduler's channels that
+    hold records)."""
+    (<list>worker.pending).append((task, frame))
+    outbox[worker] = None
 
 
 def dispatch(sched, run, task, bytes frame, region, retire):
     """Dispatch ``task`` (made from the head of ``run.pushback``; ``frame`` its task
     record) in one step: E1 on ``task.slot`` when it is a slot (``region.assign``,
     which raises SlotStateError before anything changed), ``sched.seq`` past the
-    task's, the record buffered in ``sched.pending``, the task appended to
+    task's, the record buffered on the worker's channel (``sched.outbox``), the task appended to
     ``run.inflight`` and to its worker's ``outstanding``, the head of
     ``run.pushback`` dropped, the worker's ``sent`` counted; ``retire`` (a RETIRE
     record, or None) is buffered after the record and marks the worker retiring."""
@@ -42,53 +41,62 @@ def dispatch(sched, run, task, bytes frame, region, retire):
     if slot >= 0:
         region.assign(slot, task.seq)   # E1
     sched.seq = task.seq + 1
-    cdef dict pending = sched.pending
-    _buffer(pending, worker, task, frame)
+    cdef dict outbox = sched.outbox
+    _buffer(outbox, worker, task, frame)
     run.inflight.append(task)
     worker.outstanding.append(task)
     run.pushback.popleft()
     worker.sent += 1
     if retire is not None:
         worker.retiring = True
-        _buffer(pending, worker, None, retire)
+        _buffer(outbox, worker, None, retire)
 
 
 def hand_over(sched, task, worker, bytes frame, list items):
     """Give ``task``, whose record ``frame`` (``items[0]``, a dead worker's unsent
     records) never reached its worker, to ``worker`` in one step: the task's worker,
-    ``worker.outstanding`` and ``sent``, the record buffered in ``sched.pending``, and
-    ``items[0]`` dropped."""
+    ``worker.outstanding`` and ``sent``, the record buffered on ``worker``'s channel
+    (``sched.outbox``), and ``items[0]`` dropped."""
     task.worker = worker
     worker.outstanding.append(task)
     worker.sent += 1
-    _buffer(sched.pending, worker, task, frame)
+    _buffer(sched.outbox, worker, task, frame)
     del items[0]
 
 
 def flush(sched):
-    """Send each worker's buffered records (``sched.pending``: ``{worker: [(task,
-    frame), ...]}``) with one non-blocking ``send()``, and record what was sent in
-    the same step: what a full socket did not take goes back to ``sched.pending``
-    (the tail of a record the worker has begun to receive as an item without a task:
-    that task is the worker's already), what a closed socket (a dead worker) did not
-    take whole goes to ``sched.unsent``.  The sends release the GIL."""
-    cdef dict pending = sched.pending
-    cdef dict unsent = sched.unsent
-    cdef dict left = {}
+    """Send the records buffered on each channel of ``sched.outbox`` (the channels
+    that hold records; a channel's ``pending``: ``[(task, frame), ...]``) with one
+    non-blocking ``send()`` per channel, and record what was sent in the same step:
+    what a full socket did not take stays in the channel's ``pending`` (the tail of
+    a record the worker has begun to receive as an item without a task: that task is
+    the worker's already), what a closed socket (a dead worker) did not take whole
+    goes to its ``unsent``; ``sched.outbox`` keeps the channels that still hold
+    records.  The sends release the GIL."""
+    cdef dict outbox = sched.outbox
+    cdef dict keep = {}
     cdef list items
     cdef bytes data, frame
     cdef const char *p
     cdef Py_ssize_t n, sent, start, end, k
     cdef int fd, err
-    sched.pending = left
-    for worker, items in pending.items():
+    sched.outbox = keep
+    for worker in outbox:
+        items = worker.pending
+        if not items:
+            if worker.unsent:
+                keep[worker] = None
+            continue
         data = items[0][1] if len(items) == 1 else b"".join([item[1] for item in items])
         fd = worker.fd
         p = PyBytes_AS_STRING(data)
         n = len(data)
         with nogil:
             err = write_loop(fd, p, n, &sent, True)
+        worker.pending = []
         if not err:
+            if worker.unsent:
+                keep[worker] = None
             continue
         end = 0
         for k in range(len(items)):
@@ -98,16 +106,14 @@ def flush(sched):
             if end > sent:
                 if err == EAGAIN:  # (EWOULDBLOCK on Linux)
                     if start >= sent:
-                        left[worker] = items[k:]
+                        worker.pending = items[k:]
                     else:
-                        left[worker] = [(None, frame[sent - start:])] + items[k + 1:]
+                        worker.pending = [(None, frame[sent - start:])] + items[k + 1:]
                 else:
-                    rest = unsent.get(worker)
-                    if rest is None:
-                        unsent[worker] = items[k:]
-                    else:
-                        (<list>rest).extend(items[k:])
+                    (<list>worker.unsent).extend(items[k:])
                 break
+        if worker.pending or worker.unsent:
+            keep[worker] = None
 
 
 def pull(run, Py_ssize_t n):

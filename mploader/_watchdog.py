@@ -209,7 +209,7 @@ class Watchdog:
                 w.outstanding.remove(t)
                 w.done = 0
             if target is None:   # (no live worker for it now: the next dispatch tries again)
-                sched.unsent.setdefault(w, []).append((t, frame))
+                sched.keep_unsent(w, t, frame)
                 continue
             _steps.hand_over(sched, t, target, frame, [(t, frame)])
         if items:
