@@ -28,13 +28,11 @@ from __future__ import annotations
 
 import inspect
 import multiprocessing
-import random
 import threading
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import IterableDataset, default_collate, default_convert, get_worker_info
@@ -757,42 +755,34 @@ class _KeyErrorMessage(str):
 
 
 class _SeededInlineIter(_BaseDataLoaderIter):
-    """``num_workers=0`` with ``seed``: torch's single-process iteration, with the RNGs
-    seeded from (seed, epoch, batch index) around each batch as a worker would and the
-    caller's RNG states restored afterwards."""
+    """``num_workers=0`` with ``seed``: torch's single-process iteration on the
+    engine's in-process executor (:class:`mploader._engine.InlineRun`, every face's
+    one), which seeds the RNGs from (seed, epoch, batch index) around each batch as a
+    worker would and restores the caller's RNG states afterwards."""
 
     def __init__(self, loader: DataLoader) -> None:
         super().__init__(loader)
         if self._timeout != 0:
             raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
-        from ._worker import batch_seed, seed_rngs
-        self._batch_seed, self._seed_rngs = batch_seed, seed_rngs
-        self._seed = loader.seed
-        self._epoch = loader._mpl_next_epoch()
-        self._batch_index = 0
-        self._mpl_pos = _torch_state.begin(loader, self._epoch, self._sampler_iter)
-        self._sampler_iter: Any = self._mpl_pos.indices()
+        epoch = loader._mpl_next_epoch()
+        pos = self._mpl_pos = _torch_state.begin(loader, epoch, self._sampler_iter)
+        self._sampler_iter: Any = pos.indices()   # (a resumed epoch starts at the saved batch)
         self._it: Any = iter(self._dataset) if isinstance(self._dataset, IterableDataset) else None
         self._ended = False
+        tasks = ((epoch, pos.current, index) for index in self._sampler_iter)
+        self._inline = _engine.InlineRun(self._dataset, self._fetch_task, tasks, loader.seed)
 
     def _next_data(self) -> Any:
         return _torch_state.next_counted(self._mpl_pos, self._load)
 
     def _load(self) -> Any:
-        index = self._next_index()
-        self._batch_index = self._mpl_pos.current   # a resumed epoch starts at the saved batch
-        saved = (random.getstate(), np.random.get_state(), torch.random.get_rng_state())
-        try:
-            self._seed_rngs(self._batch_seed(self._seed, self._epoch, self._batch_index))
-            self._batch_index += 1
-            data = self._fetch(index)
-        finally:
-            random.setstate(saved[0])
-            np.random.set_state(saved[1])
-            torch.random.set_rng_state(saved[2])
+        data = next(self._inline)
         if self._pin_memory:
             data = torch.utils.data._utils.pin_memory.pin_memory(data, self._pin_memory_device)
         return data
+
+    def _fetch_task(self, dataset: Any, index: Any, alloc: Any) -> Any:
+        return self._fetch(index)
 
     def _fetch(self, index: Any) -> Any:
         dataset, collate_fn = self._dataset, self._collate_fn
