@@ -201,7 +201,7 @@ class BusyCells:
                 raise
         else:
             self.map = mmap.mmap(-1, self.map_bytes, flags=mmap.MAP_SHARED)
-        self.owners: list[Any] = [None] * self.capacity     # WorkerProcess or None
+        self.owners: list[Any] = [None] * self.capacity     # a worker's Channel, or None
         self.retired = [0.0] * num_workers
 
     def allocate(self) -> int:

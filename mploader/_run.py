@@ -9,16 +9,13 @@ its ``next()`` (mploader._metrics).
 from __future__ import annotations
 
 import collections
-import functools
 import time
-import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from . import _steps
 from ._channel import Task
 
-__all__ = ["Run", "EMPTY"]
+__all__ = ["Run", "EMPTY", "cancel_dropped"]
 
 #: ``Run.handoff`` when no batch waits in it.
 EMPTY = object()
@@ -27,7 +24,7 @@ _EMPTY = EMPTY   # (the name bench/metrics_cost.py uses)
 _clock = time.monotonic  # the metrics' clock (CLOCK_MONOTONIC, shared with the workers)
 
 
-def _cancel_dropped(res: Any, inflight: collections.deque, ref: Any = None) -> None:
+def cancel_dropped(res: Any, inflight: collections.deque, ref: Any = None) -> None:
     """A run was abandoned or dropped: the workers skip its tasks in flight that they
     have not started (``BusyCells.cancel_below``; seqs grow, and a run abandoned has
     dispatched nothing since a newer run began, so no live run's task is below the
@@ -76,22 +73,10 @@ class Run:
         self.done = False
         self.superseded = False
         scheduler = engine._scheduler
-        self._meter = scheduler.meter
-        self._meter.begin_epoch()     # the epoch's counters restart with the run
-        self._counts = scheduler.stats
-        # A run dropped mid-epoch hands its batches in flight to the scheduler as stale,
-        # so their slots are freed as they complete: its death appends its weak
-        # reference to ``scheduler.dropped`` (a C call: nothing an interrupt can cut),
-        # and the scheduler's next step takes them (_steps.abandon_runs).
-        self._ref = weakref.ref(self, scheduler.dropped.append)
-        scheduler.runs[self._ref] = self.inflight
-        # ... and tells the workers at once to skip its tasks they have not started
-        # (a second reference, held by the scheduler -- whose dead ones are pruned
-        # here -- and whose callback holds neither: only speeds things up).
-        cancels = scheduler.cancels
-        if cancels:
-            cancels.difference_update([r for r in cancels if r() is None])
-        cancels.add(weakref.ref(self, functools.partial(_cancel_dropped, scheduler.res, self.inflight)))
+        # The scheduler's meter times next() (its counters restart with the run), and the
+        # run's weak reference (self._ref) hands its batches in flight back as stale once
+        # it is dropped (Scheduler.adopt).
+        self._meter, self._counts, self._ref = scheduler.adopt(self)
 
     def __iter__(self) -> Run:
         return self
@@ -132,7 +117,4 @@ class Run:
         stale, and the workers skip those they have not started.  Called under the
         engine's lock."""
         self.superseded = True
-        scheduler = self._engine._scheduler
-        _cancel_dropped(scheduler.res, self.inflight)
-        scheduler.dropped.append(self._ref)
-        _steps.abandon_runs(scheduler)
+        self._engine._scheduler.abandon(self)

@@ -25,6 +25,7 @@ waiting ``next()`` notices ``closing`` within one wait slice, POLL_S).
 from __future__ import annotations
 
 import collections
+import functools
 import pickle
 import weakref
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from ._metrics import COUNTER_KEYS, Meter, Snapshot, engine_stats
 from ._options import SMALL_BATCHES_BYTES
 from ._protocol import PIPE_HEADER
 from ._receive import ANY_POLL_S, POLL_S, REASONS
-from ._run import EMPTY, Run
+from ._run import EMPTY, Run, cancel_dropped
 from ._waiting import spin_for
 
 __all__ = ["Scheduler", "Run", "POLL_S", "ANY_POLL_S", "REASONS"]
@@ -240,6 +241,33 @@ class Scheduler(Dispatch):
                 covered = self.engine.on_grow(region)
                 if covered is not None and covered < size:
                     self.file_bytes = covered  # the rest is not in the file yet: again next batch
+
+    # ---- runs ----
+
+    def adopt(self, run: Run) -> tuple[Meter, collections.Counter, weakref.ref]:
+        """A new run: the epoch's meter restarts, and the run is followed so that, dropped
+        mid-epoch, it hands its batches in flight back as stale (their slots freed as they
+        complete): its death appends its weak reference to ``dropped`` (a C call: nothing
+        an interrupt can cut), and the next step takes them (``_steps.abandon_runs``); a
+        second reference, whose callback holds neither the run nor the scheduler, tells
+        the workers at once to skip its tasks they have not started (only speeds things
+        up; the dead ones are pruned here).  Returns what ``Run.__next__`` uses: the
+        meter, the counters, and the run's first weak reference (for :meth:`abandon`)."""
+        self.meter.begin_epoch()
+        ref = weakref.ref(run, self.dropped.append)
+        self.runs[ref] = run.inflight
+        cancels = self.cancels
+        if cancels:
+            cancels.difference_update([r for r in cancels if r() is None])
+        cancels.add(weakref.ref(run, functools.partial(cancel_dropped, self.res, run.inflight)))
+        return self.meter, self.stats, ref
+
+    def abandon(self, run: Run) -> None:
+        """``run`` was superseded (a newer run, stopped workers): its batches in flight
+        become stale, and the workers skip those they have not started."""
+        cancel_dropped(self.res, run.inflight)
+        self.dropped.append(run._ref)
+        _steps.abandon_runs(self)
 
     # ---- what the engine asks ----
 

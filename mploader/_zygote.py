@@ -18,7 +18,7 @@ besides those imports.
 * The zygote is the workers' parent, so it reaps them and writes each one's wait
   status (4 bytes) into that worker's status pipe, whose read end the loader's
   process holds (:class:`ZygoteChild`, the ``process`` of a
-  :class:`~mploader._executors.WorkerProcess`).  The pipe reads EOF without a status
+  :class:`~mploader._channel.Channel`).  The pipe reads EOF without a status
   only if the zygote died before the worker: the status is then unknown.
 * The zygote goes away with its parent: it polls a pidfd of the parent (or, where
   pidfd_open is refused, its socket, which reads EOF when the parent is gone) and
@@ -72,7 +72,7 @@ def enabled() -> bool:
 
 class ZygoteChild:
     """The parent's handle on the exit status of a worker the zygote forked, read
-    from its status pipe (``sentinel``): the ``process`` of a ``WorkerProcess``,
+    from its status pipe (``sentinel``): the ``process`` of a ``Channel``,
     with ``multiprocessing.Process``'s ``join``/``exitcode``/``pid``.
     ``exit_status``: the :class:`~mploader._errors.ExitStatus` once known."""
 
@@ -113,7 +113,7 @@ class ZygoteChild:
 
     def close(self) -> None:
         """(``multiprocessing.Process.close``) Nothing to release: the status pipe
-        belongs to the ``WorkerProcess`` (its ``pidfd``)."""
+        belongs to the ``Channel`` (its ``pidfd``)."""
 
 
 class _Zygote:
