@@ -83,6 +83,64 @@ uint64_t mpl__carve(mpl_region *r, uint64_t n, uint64_t alloc, int *err) {
     return off;
 }
 
+/* A pool entry: the offset's page number in the high 34 bits (a reservation is at
+ * most 2^46 bytes), the length's in the low 30 (< 4 TiB); 0 is no range (no
+ * payload starts at offset 0). */
+#define POOL_LEN_BITS 30
+static inline uint64_t pool_pack(uint64_t off, uint64_t n) {
+    return (off / MPL_PAGE) << POOL_LEN_BITS | n / MPL_PAGE;
+}
+
+void mpl__pool_put(mpl_region *r, uint64_t off, uint64_t n) {
+    if (n == 0 || n / MPL_PAGE >= (1ull << POOL_LEN_BITS))
+        return;
+    mpl_ctl *c = ctl_of(r);
+    uint64_t v = pool_pack(off, n);
+    for (uint32_t i = 0; i < MPL_POOL_ENTRIES; i++) {
+        uint64_t empty = 0;
+        /* Release: the taker's acquire CAS sees the range as the putter left it (its
+         * pages punched; the range is no longer any slot's).  Relaxed on failure:
+         * the entry is taken, try the next. */
+        if (atomic_compare_exchange_strong_explicit(&c->pool[i], &empty, v, memory_order_release,
+                                                    memory_order_relaxed))
+            return;
+    }
+}
+
+uint64_t mpl__pool_take(mpl_region *r, uint64_t need, uint64_t most, uint64_t *n) {
+    mpl_ctl *c = ctl_of(r);
+    for (int attempt = 0; attempt < 4; attempt++) {
+        uint32_t best = MPL_POOL_ENTRIES;
+        uint64_t best_v = 0, best_n = UINT64_MAX;
+        for (uint32_t i = 0; i < MPL_POOL_ENTRIES; i++) {
+            /* Relaxed: only picks a candidate; the CAS below takes it with acquire. */
+            uint64_t v = atomic_load_explicit(&c->pool[i], memory_order_relaxed);
+            uint64_t len = (v & ((1ull << POOL_LEN_BITS) - 1)) * MPL_PAGE;
+            if (v && len >= need && len <= most && len < best_n) {
+                best = i;
+                best_v = v;
+                best_n = len;
+            }
+        }
+        if (best == MPL_POOL_ENTRIES)
+            return 0;
+        /* Acquire pairs with mpl__pool_put's release.  An entry holds a range only
+         * while nobody owns it, so a CAS that still finds best_v takes a free range
+         * (even if it left and came back meanwhile). */
+        if (atomic_compare_exchange_strong_explicit(&c->pool[best], &best_v, 0, memory_order_acquire,
+                                                    memory_order_relaxed)) {
+            uint64_t off = (best_v >> POOL_LEN_BITS) * MPL_PAGE;
+            /* The pool lives in shared memory a stray writer could change: use only a
+             * sane range of this mapping; drop a broken entry. */
+            if (off < r->payload_off || mpl_slot_check_range(r, off, best_n) != MPL_FIELD_NONE)
+                continue;
+            *n = best_n;
+            return off;
+        }
+    }
+    return 0;
+}
+
 static void region_init(mpl_region *r) {
     memset(r, 0, sizeof *r);
     r->fd = -1;
@@ -162,6 +220,8 @@ int mpl_region_create(mpl_region *r, uint32_t nslots, uint64_t slot_bytes, uint6
         h->span = slot_stride;
     }
     atomic_init(&c->pinned, 0);
+    for (uint32_t i = 0; i < MPL_POOL_ENTRIES; i++)
+        atomic_init(&c->pool[i], 0);
     return MPL_OK;
 }
 

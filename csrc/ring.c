@@ -387,25 +387,43 @@ int mpl_slot_grow(mpl_region *r, uint32_t slot, uint64_t need, uint64_t preserve
     uint64_t want = cap;
     if (!pinned && span && cap < span + span / 2)
         want = round_up(span + span / 2, MPL_PAGE);
-    int err = MPL_OK;
-    uint64_t off = mpl__carve(r, want, cap, &err);
-    if (off == 0 && err == MPL_ENOSPACE && want > cap) {
-        want = cap;
-        off = mpl__carve(r, want, cap, &err);
+    /* A spare range another slot gave up first (not in a pinned region: its pages
+     * were punched), at most twice what we would carve, so that a small batch does
+     * not take the range a large one will need; else a fresh one. */
+    uint64_t off = 0, got = 0;
+    if (!pinned) {
+        off = mpl__pool_take(r, cap, 2 * want, &got);
+        if (off && (fallocate(r->fd, 0, (off_t)off, (off_t)cap) != 0 || mpl__populate(r->base + off, cap) != MPL_OK)) {
+            int e = errno;
+            (void)fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)off, (off_t)cap);
+            mpl__pool_put(r, off, got);
+            errno = e;
+            return MPL_ESYS;
+        }
     }
-    if (off == 0)
-        return err;
+    if (off == 0) {
+        int err = MPL_OK;
+        off = mpl__carve(r, want, cap, &err);
+        if (off == 0 && err == MPL_ENOSPACE && want > cap) {
+            want = cap;
+            off = mpl__carve(r, want, cap, &err);
+        }
+        if (off == 0)
+            return err;
+        got = want;
+    }
     if (preserve)
         memcpy(r->base + off, r->base + m->offset, preserve);
     /* Give the old range's memory back to the kernel; the file keeps its size. No
      * lease can point into it: leases only exist for LEASED slots, and this one is
-     * ASSIGNED to us.  Its address space is not reused (the bump allocator only
-     * hands out fresh ranges). */
-    if (span)
-        (void)fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)m->offset, (off_t)span);
+     * ASSIGNED to us.  Its address space goes to the pool (not in a pinned region,
+     * where punched pages are never faulted in again). */
+    if (span && fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)m->offset, (off_t)span) == 0 &&
+        !pinned)
+        mpl__pool_put(r, m->offset, span);
     m->offset = off;
     m->capacity = cap;
-    h->span = want;
+    h->span = got;
     m->grow_count++;
     mpl_region_note_size(r, need);
     return MPL_OK;
@@ -426,6 +444,30 @@ int mpl_slot_shrink(mpl_region *r, uint32_t slot, uint64_t need) {
                   (off_t)(m->capacity - keep)) != 0)
         return MPL_ESYS;
     m->capacity = keep;
+    return MPL_OK;
+}
+
+int mpl_slot_park(mpl_region *r, uint32_t slot) {
+    if (slot >= r->nslots)
+        return MPL_EINVAL;
+    mpl_slot_hdr *h = hdr_of(r, slot);
+    /* Acquire: as in mpl_slot_trim (pairs with the release of E4/E5); our own E1's
+     * release later publishes the emptied header to the slot's next worker. */
+    if ((atomic_load_explicit(&h->state, memory_order_acquire) & MPL_STATE_MASK) != MPL_FREE)
+        return MPL_ESTATE;
+    /* Acquire: pairs with mpl_region_set_pinned's release (the same process). */
+    if (atomic_load_explicit(&ctl_of(r)->pinned, memory_order_acquire))
+        return MPL_ESTATE;
+    mpl_slot_meta *m = &h->meta;
+    uint64_t span = own_span(r, h, 0);
+    if (span) {
+        if (fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)m->offset, (off_t)span) != 0)
+            return MPL_ESYS;
+        mpl__pool_put(r, m->offset, span);
+    }
+    m->offset = r->payload_off; /* empty (a valid range); the next grow takes one */
+    m->capacity = 0;
+    h->span = 0;
     return MPL_OK;
 }
 

@@ -43,7 +43,7 @@ enum {
 #define MPL_MAX_RESERVE_BYTES (1ull << 46)  /* 64 TiB of address space (x86-64 user space is 128 TiB) */
 #define MPL_DEFAULT_RESERVE_BYTES (16ull << 30)
 #define MPL_MAGIC 0x6d706c72696e6731ull   /* "mplring1", first word of the control block */
-#define MPL_LAYOUT_VERSION 3u               /* bump when mpl_ctl or the slot header changes */
+#define MPL_LAYOUT_VERSION 4u               /* bump when mpl_ctl or the slot header changes */
 
 /* What a READY slot carries (mpl_slot_meta.kind). */
 enum {
@@ -251,13 +251,15 @@ int mpl_slot_begin(mpl_region *r, uint32_t slot, uint64_t seq);
  * owns (its span: what it was last given, kept by mpl_slot_shrink, mpl_slot_trim and
  * a smaller grow): the added pages are allocated and faulted in, pages past the new
  * capacity are given back, offset stays, no address space is used.  Otherwise a
- * fresh range is carved from the reservation -- the new capacity, or 1.5 x the old
- * span where that is more and fits (the part past the capacity left as holes) --
- * the preserved bytes copied into it, and the old range's memory released (its
- * address space is not reused).  So a slot uses address space for the largest
- * payloads it held (at most 4.5 x the largest), not once per grow.  In a pinned
- * region (mpl_region_set_pinned) only a smaller grow stays in place, and a fresh
- * range is exactly the new capacity.
+ * range is taken from the region's pool of spare ranges (the shortest of at least
+ * the new capacity and at most twice what would be carved), else carved from the
+ * reservation -- the new capacity, or 1.5 x the old span where that is more and
+ * fits (the part past the capacity left as holes) -- the preserved bytes copied
+ * into it, and the old range's memory released and its address space put into the
+ * pool.  So address space follows the largest payloads held at the same time, not
+ * the number of grows.  In a pinned region (mpl_region_set_pinned) only a smaller
+ * grow stays in place, the pool is not used, and a fresh range is exactly the new
+ * capacity.
  * grow_count counts every grow of this slot since creation.  Returns 0,
  * MPL_ENOSPACE (a fresh range was needed and the reservation is exhausted; the slot
  * is unchanged), MPL_ESTATE (the slot is not ASSIGNED) or MPL_ESYS (errno set; the
@@ -281,6 +283,16 @@ int mpl_slot_shrink(mpl_region *r, uint32_t slot, uint64_t need);
  * the capacity changes nothing.  Returns 0, MPL_EINVAL (slot out of range),
  * MPL_ESTATE (not FREE; nothing changed) or MPL_ESYS (errno set). */
 int mpl_slot_trim(mpl_region *r, uint32_t slot, uint64_t keep);
+
+/* Parent side, on a FREE slot, as mpl_slot_trim: give the slot's whole range back --
+ * its pages to the kernel, its address space to the region's pool of spare ranges,
+ * where the next grow of any slot that needs a fresh range finds it (docs/design.md,
+ * "Growth") -- and leave the slot empty (capacity 0; its next worker grows it).  For
+ * a slot that held an outlier: its range serves the next outlier wherever it lands.
+ * Only the region's creator may call it.  Returns 0, MPL_EINVAL (slot out of range),
+ * MPL_ESTATE (not FREE, or the region is pinned; nothing changed) or MPL_ESYS (errno
+ * set; the slot is unchanged). */
+int mpl_slot_park(mpl_region *r, uint32_t slot);
 
 /* Edge E2, ASSIGNED -> READY: publish the header fields and payload written so
  * far, and wake the parent if it sleeps on the slot (MPL_WAITER).  Returns 0, MPL_ESTATE (not ASSIGNED; the header is

@@ -13,6 +13,7 @@
 
 #define MPL_CACHE_LINE 64
 #define MPL_PAGE 4096ull
+#define MPL_POOL_ENTRIES 256u
 
 /* One slot header: the state word on the first cache line (the only word both
  * sides touch concurrently), the metadata on the second.
@@ -52,6 +53,10 @@ typedef struct mpl_ctl {
     /* 1 once mpl_region_set_pinned was called: a punched range is never faulted in
      * again (mpl_slot_grow takes fresh ranges only).  Written once by the parent. */
     _Alignas(MPL_CACHE_LINE) _Atomic uint32_t pinned;
+    /* Spare ranges (docs/design.md, "Growth"): address space a slot gave up (a grow
+     * that moved it, mpl_slot_park), all holes, for the next grow that needs a fresh
+     * range.  Each entry is 0 (empty) or mpl__pool_pack(offset, bytes). */
+    _Alignas(MPL_CACHE_LINE) _Atomic uint64_t pool[MPL_POOL_ENTRIES];
 } mpl_ctl;
 
 _Static_assert(sizeof(mpl_ctl) <= MPL_PAGE, "control block fits its page");
@@ -70,6 +75,17 @@ static inline uint64_t payload_start(uint32_t nslots) {
 
 /* Fault in [p, p+n) for writing in this process (region.c).  Returns 0 or MPL_ESYS. */
 int mpl__populate(uint8_t *p, uint64_t n);
+
+/* Put the spare range [off, off + n) (page-aligned, all holes, given up by its
+ * owner) into the region's pool, for mpl__pool_take.  Best effort: a full pool or a
+ * range too long to pack (>= 4 TiB) loses its address space, as before pools.
+ * Never in a pinned region (the caller checks). */
+void mpl__pool_put(mpl_region *r, uint64_t off, uint64_t n);
+
+/* Take from the pool the shortest spare range of at least `need` and at most `most`
+ * bytes that is a sane range of this mapping (mpl_slot_check_range).  On success
+ * returns its offset and sets *n to its length; 0 if there is none. */
+uint64_t mpl__pool_take(mpl_region *r, uint64_t need, uint64_t most, uint64_t *n);
 
 /* Carve a fresh page-aligned range of round_up(n, page) bytes (a page for 0) from
  * the file, allocate and fault in its first round_up(alloc, page) bytes (alloc <= n)

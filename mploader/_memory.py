@@ -15,8 +15,9 @@ to that:
 * **Outliers come back at once.**  Each ring remembers the payload bytes of its last
   16 batches; a slot whose capacity is more than 4 times their 75th percentile and
   at least :data:`TRIM_MIN_BYTES` larger holds an outlier: as soon as it is FREE
-  again (the loop dropped the batch) the parent gives its pages back
-  (``Region.trim``), at the next ``next()``.
+  again (the loop dropped the batch) the parent gives its pages back, and its range
+  to the region's pool for the next outlier, whichever slot that lands in
+  (``Region.park``), at the next ``next()``.
 * **Over the budget, FREE slots give their memory back**, the largest first, until
   the process's rings are under it, when a batch grew a slot; and a ring whose epoch
   ends while the rings hold more than half the budget gives back all of its FREE
@@ -256,13 +257,15 @@ class RingMemory:
         return True
 
     def trim_outliers(self) -> None:
-        """Give back the pages of outlier slots that are FREE again (the caller holds
-        this ring's engine lock)."""
+        """Give back the pages and the range of outlier slots that are FREE again
+        (``Region.park``: the range goes to the region's pool, where the next
+        outlier's grow finds it, whichever slot that lands in; the caller holds this
+        ring's engine lock)."""
         region = self.res.region
         if region is None:
             return
         for slot in list(self.outliers):
-            if region.trim(slot, 0):
+            if region.park(slot):
                 self.outliers.discard(slot)
                 self.held -= self.capacity[slot]
                 self.capacity[slot] = 0

@@ -97,6 +97,7 @@ cdef extern from "ring.h" nogil:
     int mpl_slot_grow(mpl_region *r, uint32_t slot, uint64_t need, uint64_t preserve)
     int mpl_slot_shrink(mpl_region *r, uint32_t slot, uint64_t need)
     int mpl_slot_trim(mpl_region *r, uint32_t slot, uint64_t keep)
+    int mpl_slot_park(mpl_region *r, uint32_t slot)
     int mpl_slot_publish(mpl_region *r, uint32_t slot, uint32_t kind, uint32_t flags,
                          uint64_t used, uint64_t desc_off, uint64_t desc_len)
     int mpl_watch_parent(pid_t parent_pid, int lifeline_fd)

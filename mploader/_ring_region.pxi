@@ -330,6 +330,32 @@ cdef class Region:
             return False
         self._fail(rc, f"trim slot {slot} to {keep} bytes (needs FREE)", slot)
 
+    def park(self, uint32_t slot):
+        """Give back a FREE slot's whole range: its pages to the kernel, its address
+        space to the region's pool of spare ranges, where the next grow of any slot
+        finds it (docs/design.md, "Growth"); the slot is left empty (capacity 0) and
+        its next worker grows it.  For the slot of an outlier: its range serves the
+        next outlier wherever that lands, so rare outliers use the address space of
+        those in flight, not of every slot they visited.
+
+        Returns True once done, False if the slot was not FREE or the region is
+        pinned (:meth:`set_pinned`; left as it was).
+
+        Raises SlotStateError in any process but the region's creator; OSError if
+        the kernel refused (the slot is unchanged).
+        """
+        self._check(slot)
+        if self.owner_pid != mpl_self_pid():
+            self._not_owner(f"park slot {slot}", "park slots", "park the parent's slots")
+        cdef int rc
+        with nogil:
+            rc = mpl_slot_park(&self.r, slot)
+        if rc == MPL_OK:
+            return True
+        if rc == MPL_ESTATE:
+            return False
+        self._fail(rc, f"park slot {slot} (needs FREE)", slot)
+
     def state(self, uint32_t slot):
         """Current state of ``slot`` (0 FREE, 1 ASSIGNED, 2 READY, 3 LEASED)."""
         self._check(slot)

@@ -36,7 +36,6 @@ ROOT = os.path.dirname(TESTS)
 
 OUTLIERS = 320
 BIG_MIB = 2
-PERIOD = 10        # one outlier every PERIOD batches: a tenth, so no worker's sizing takes it as typical
 ROOM_MIB = 512     # RLIMIT_AS above the interpreter's size: the ring reserves a quarter, 128 MiB
 
 SCRIPT = textwrap.dedent('''
@@ -74,17 +73,24 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_many_outliers_reuse_their_slots_ranges(tmp_path):
+# One outlier every PERIOD batches (a tenth or less, so no worker's sizing takes it as
+# typical).  Every 10th: the engine keeps its depth down after each large batch and
+# large batches take the lowest FREE slots, so the outliers visit a few slots; every
+# 100th: the depth rises between them, the ring goes round robin and the outliers
+# land in ever other slots (their ranges must move between slots: Region.park).
+@pytest.mark.parametrize("period", [10, 100])
+def test_many_outliers_reuse_their_slots_ranges(tmp_path, period):
     """320 outliers of 2 MiB among 64-byte batches, 2 workers, a 128 MiB reservation:
     every batch arrives exact and in order, none through the pipe, and the ring's
     file (the address space its ranges took) stays far below the reservation.
-    Before: the reservation was used up after ~50 outliers and 1,227 of the 3,200
-    batches went through the pipe (fallback_pipe), small ones included."""
+    Before: the reservation was used up after ~50 outliers and 1,313 of the 3,200
+    batches went through the pipe (fallback_pipe), small ones included; with ranges
+    kept per slot but not moved between slots, every 100th: 162 of 32,000."""
     script = tmp_path / "outliers.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]),
                PYTHONFAULTHANDLER="1")
-    proc = subprocess.Popen([sys.executable, str(script), str(OUTLIERS), str(BIG_MIB * MiB), str(PERIOD),
+    proc = subprocess.Popen([sys.executable, str(script), str(OUTLIERS), str(BIG_MIB * MiB), str(period),
                              str(ROOM_MIB * MiB)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True, cwd=str(tmp_path))
     try:
@@ -99,7 +105,7 @@ def test_many_outliers_reuse_their_slots_ranges(tmp_path):
     word, n, reserve, used, fallback_pipe, grown = out.split()[-6:]
     assert word == "result", out
     n, reserve, used, fallback_pipe, grown = int(n), int(reserve), int(used), int(fallback_pipe), int(grown)
-    assert n == OUTLIERS * PERIOD
+    assert n == OUTLIERS * period
     # the case means something: fresh ranges for every outlier would not fit the reservation
     assert OUTLIERS * BIG_MIB * MiB > 4 * reserve, (reserve, OUTLIERS)
     assert fallback_pipe == 0, f"{fallback_pipe} batches went through the pipe; the ring's file is {used >> 20} MiB"

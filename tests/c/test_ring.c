@@ -1522,6 +1522,105 @@ static void contract_span(void) {
     mpl_region_unmap(&r);
 }
 
+/* One batch of `need` bytes in `slot` (seq): assign, begin, grow to fit, fill,
+ * publish, take, check, release; then park the slot when `park`. */
+static void pool_batch(mpl_region *r, uint32_t slot, uint64_t seq, uint64_t need, int park) {
+    uint64_t key = pat_key(31, seq);
+    mpl_slot_meta *m = mpl_slot_meta_of(r, slot);
+    CHECK_RC(mpl_slot_assign(r, slot, seq), MPL_OK);
+    CHECK_RC(mpl_slot_begin(r, slot, seq), MPL_OK);
+    if (need > m->capacity)
+        do_grow(r, slot, seq, need, 0, key);
+    pat_fill(mpl_slot_payload(r, slot), 0, need, key);
+    CHECK_RC(mpl_slot_publish(r, slot, MPL_KIND_SLOT, 0, need, 0, 0), MPL_OK);
+    mpl_slot_meta snap;
+    uint32_t bad = 99;
+    CHECK_RC(mpl_slot_take(r, slot, 0, 0, &snap, &bad), MPL_OK);
+    CHECK(bad == MPL_FIELD_NONE, "seq %" PRIu64 ": take refused field %u", seq, bad);
+    CHECK(pat_bad(mpl_slot_payload(r, slot), 0, need, key) < 0, "seq %" PRIu64 ": payload wrong at the parent", seq);
+    CHECK_RC(mpl_slot_release(r, slot), MPL_OK);
+    if (park)
+        CHECK_RC(mpl_slot_park(r, slot), MPL_OK);
+}
+
+/* The pool of spare ranges: a range a slot gave up (mpl_slot_park after an outlier,
+ * or a grow that moved it) serves the next grow of any slot, so outliers that land
+ * in ever other slots use the address space of those in flight, not of every slot
+ * they ever visited: 16 slots take turns with 1 MiB outliers in an 8 MiB
+ * reservation, which spans kept per slot (16 MiB) would overflow. */
+static void contract_pool(void) {
+    snprintf(g_who, sizeof g_who, "contract/pool");
+    mpl_region r;
+    int rc = mpl_region_create(&r, 16, 0, 8u << 20);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(16, 0, 8 MiB) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    const uint64_t BIG = 1u << 20;
+    mpl_slot_meta *m0 = mpl_slot_meta_of(&r, 0), *m1 = mpl_slot_meta_of(&r, 1);
+    pool_batch(&r, 0, 1, BIG, 0);
+    uint64_t off0 = m0->offset, fb = mpl_region_file_bytes(&r), alloc = file_alloc_bytes(r.fd);
+    CHECK_RC(mpl_slot_park(&r, 0), MPL_OK);
+    CHECK(m0->offset == r.payload_off && m0->capacity == 0 && mpl_slot_span(&r, 0) == 0,
+          "parked slot 0: [%" PRIu64 ", +%" PRIu64 ") span %" PRIu64, m0->offset, m0->capacity, mpl_slot_span(&r, 0));
+    CHECK(file_alloc_bytes(r.fd) + BIG <= alloc, "park kept the pages: %" PRIu64 " -> %" PRIu64,
+          alloc, file_alloc_bytes(r.fd));
+    CHECK_RC(mpl_slot_park(&r, 0), MPL_OK); /* empty: nothing to give */
+    pool_batch(&r, 1, 2, BIG - 4096, 0);    /* another slot's outlier takes the parked range */
+    CHECK(m1->offset == off0 && m1->capacity == BIG - 4096 && mpl_slot_span(&r, 1) == BIG &&
+              mpl_region_file_bytes(&r) == fb,
+          "slot 1 took [%" PRIu64 ", +%" PRIu64 ") span %" PRIu64 " (file %" PRIu64 " -> %" PRIu64
+          "), expected the parked range at %" PRIu64,
+          m1->offset, m1->capacity, mpl_slot_span(&r, 1), fb, mpl_region_file_bytes(&r), off0);
+    /* a small need does not take a large spare range */
+    CHECK_RC(mpl_slot_park(&r, 1), MPL_OK);
+    pool_batch(&r, 2, 3, 4096, 0);
+    CHECK(mpl_slot_meta_of(&r, 2)->offset != off0, "a 4 KiB batch took the 1 MiB spare range");
+    /* a grow that moves a slot gives its old range to the pool: the next small need takes it */
+    uint64_t off2 = mpl_slot_meta_of(&r, 2)->offset;
+    pool_batch(&r, 2, 4, BIG, 0);
+    CHECK(mpl_slot_meta_of(&r, 2)->offset == off0, "slot 2's outlier did not take the spare range");
+    fb = mpl_region_file_bytes(&r);
+    pool_batch(&r, 3, 5, 100, 0);
+    CHECK(mpl_slot_meta_of(&r, 3)->offset == off2 && mpl_region_file_bytes(&r) == fb,
+          "slot 3's 100 bytes went to %" PRIu64 ", not slot 2's old range at %" PRIu64,
+          mpl_slot_meta_of(&r, 3)->offset, off2);
+    /* park refuses a slot that is not FREE */
+    CHECK_RC(mpl_slot_assign(&r, 4, 6), MPL_OK);
+    CHECK_RC(mpl_slot_park(&r, 4), MPL_ESTATE);
+    CHECK_RC(mpl_slot_reclaim(&r, 4), MPL_OK);
+    CHECK_RC(mpl_slot_park(&r, 16), MPL_EINVAL);
+    /* outliers taking turns over the 16 slots, each parked once FREE (the parent's
+     * budget), small batches between: the address space stops growing */
+    uint64_t seq = 100;
+    for (uint32_t i = 0; i < 16; i++)
+        pool_batch(&r, i, seq++, 4096, i == 2); /* slot 2 holds the 1 MiB range: parked */
+    fb = mpl_region_file_bytes(&r);
+    for (uint32_t round = 0; round < 320; round++) {
+        uint32_t s = (round * 5) % 16;
+        pool_batch(&r, s, seq++, BIG - 4096 * (round % 3), 1);
+        pool_batch(&r, s, seq++, 4096, 0);
+        pool_batch(&r, (s + 1) % 16, seq++, 2048, 0);
+    }
+    CHECK(mpl_region_file_bytes(&r) <= fb + 2 * BIG, "320 outliers over 16 slots used %" PRIu64 " KiB of address "
+          "space (file %" PRIu64 " -> %" PRIu64 ")", (mpl_region_file_bytes(&r) - fb) >> 10, fb,
+          mpl_region_file_bytes(&r));
+    mpl_region_unmap(&r);
+
+    /* pinned: park refuses (punched pages are never faulted in again) */
+    rc = mpl_region_create(&r, 1, 4096, 0);
+    if (rc != MPL_OK) {
+        FAIL("mpl_region_create(1, 4096, 0) returned %s (errno %d)", rc_name(rc), errno);
+        return;
+    }
+    mpl_region_set_pinned(&r);
+    uint64_t off = mpl_slot_meta_of(&r, 0)->offset;
+    CHECK_RC(mpl_slot_park(&r, 0), MPL_ESTATE);
+    CHECK(mpl_slot_meta_of(&r, 0)->offset == off && mpl_slot_meta_of(&r, 0)->capacity == 4096,
+          "a refused park changed the slot");
+    mpl_region_unmap(&r);
+}
+
 /* ---- take: header validation ---------------------------------------------- */
 
 typedef struct {
@@ -1824,6 +1923,7 @@ static void run_contract(void) {
     contract_shrink();
     contract_trim();
     contract_span();
+    contract_pool();
     contract_take();
     contract_attach();
     contract_pid();
@@ -1849,7 +1949,7 @@ typedef struct {
 } slot_model_t;
 
 typedef struct {
-    uint64_t grows, out_of_order, max_held, probes, short_waits, short_timeouts, bytes, in_place;
+    uint64_t grows, out_of_order, max_held, probes, short_waits, short_timeouts, bytes, in_place, parks;
 } stats_t;
 
 static int model_find_free(const slot_model_t *sm, uint32_t n, uint32_t start) {
@@ -1920,9 +2020,10 @@ static void verify_lease(mpl_region *r, const cfg_t *cfg, slot_model_t *sm, uint
               seq, slot, grow_target(&pl), x->span, x->off, m->offset, m->capacity, span);
         stats->in_place++;
     } else {
-        /* the new capacity, or 1.5 x a span close to it (<= 1.5 x the capacity) */
+        /* carved: the new capacity, or 1.5 x a span close to it (<= 1.5 x the
+         * capacity); from the pool: at most twice that */
         uint64_t cap = page_up(u64max(grow_target(&pl), 1));
-        CHECK(m->capacity == cap && span >= cap && span <= page_up(cap + cap / 2) &&
+        CHECK(m->capacity == cap && span >= cap && span <= 2 * page_up(cap + cap / 2) &&
                   (x->span == 0 || !ranges_overlap(m->offset, span, x->off, x->span)),
               "seq %" PRIu64 " slot %u: grow to %" PRIu64 " past span %" PRIu64 ": [%" PRIu64 ", +%" PRIu64
               ") span %" PRIu64 ", expected a fresh range for the new capacity",
@@ -1956,7 +2057,8 @@ static void verify_lease(mpl_region *r, const cfg_t *cfg, slot_model_t *sm, uint
     stats->bytes += m->used;
 }
 
-static void release_lease(mpl_region *r, const cfg_t *cfg, slot_model_t *sm, uint32_t slot) {
+static void release_lease(mpl_region *r, const cfg_t *cfg, slot_model_t *sm, uint32_t slot, int park,
+                          stats_t *stats) {
     slot_model_t *x = &sm[slot];
     mpl_slot_meta *m = mpl_slot_meta_of(r, slot);
     /* Still intact after being held while workers grew and wrote other slots. */
@@ -1968,6 +2070,18 @@ static void release_lease(mpl_region *r, const cfg_t *cfg, slot_model_t *sm, uin
     CHECK_STATE(r, slot, MPL_FREE);
     CHECK_RC(mpl_slot_release(r, slot), MPL_ESTATE);
     x->st = M_FREE;
+    if (park) {
+        /* the parent gives the FREE slot's range to the pool (as after an outlier):
+         * the slot's next worker grows it from empty, from the pool or fresh */
+        CHECK_RC(mpl_slot_park(r, slot), MPL_OK);
+        CHECK(m->offset == r->payload_off && m->capacity == 0 && mpl_slot_span(r, slot) == 0,
+              "parked slot %u: [%" PRIu64 ", +%" PRIu64 ") span %" PRIu64, slot, m->offset, m->capacity,
+              mpl_slot_span(r, slot));
+        x->cap = 0;
+        x->off = m->offset;
+        x->span = 0;
+        stats->parks++;
+    }
 }
 
 /* Error returns that are safe to provoke while workers run: only edges that must be
@@ -2172,14 +2286,14 @@ static void run_stress(const cfg_t *cfg, stats_t *stats) {
             uint32_t i = (uint32_t)rng_below(&g, nheld);
             if (i != 0)
                 stats->out_of_order++;
-            release_lease(&r, cfg, sm, held[i]);
+            release_lease(&r, cfg, sm, held[i], rng_below(&g, 10) == 0, stats);
             memmove(&held[i], &held[i + 1], (nheld - i - 1) * sizeof *held);
             nheld--;
         }
     }
     while (nheld > 0) {
         uint32_t i = (uint32_t)rng_below(&g, nheld);
-        release_lease(&r, cfg, sm, held[i]);
+        release_lease(&r, cfg, sm, held[i], 0, stats);
         memmove(&held[i], &held[i + 1], (nheld - i - 1) * sizeof *held);
         nheld--;
     }
@@ -2212,6 +2326,27 @@ static void run_stress(const cfg_t *cfg, stats_t *stats) {
             mpl_slot_meta *b = mpl_slot_meta_of(&r, t);
             CHECK(!ranges_overlap(a->offset, mpl_slot_span(&r, s), b->offset, mpl_slot_span(&r, t)),
                   "slots %u and %u overlap at the end", s, t);
+        }
+    }
+    /* the pool: spare ranges inside the payload area, holes only, disjoint from one
+     * another and from every slot's span */
+    for (uint32_t i = 0; i < MPL_POOL_ENTRIES; i++) {
+        uint64_t v = atomic_load_explicit(&ctl_of(&r)->pool[i], memory_order_relaxed);
+        if (!v)
+            continue;
+        uint64_t off = (v >> 30) * 4096, len = (v & ((1ull << 30) - 1)) * 4096;
+        CHECK(off >= hend && len > 0 && off + len <= mpl_region_file_bytes(&r),
+              "pool entry %u: [%" PRIu64 ", +%" PRIu64 ") outside the payload area", i, off, len);
+        off_t data = lseek(r.fd, (off_t)off, SEEK_DATA);
+        CHECK((data < 0 && errno == ENXIO) || (uint64_t)data >= off + len,
+              "pool entry %u: [%" PRIu64 ", +%" PRIu64 ") holds memory at %" PRId64, i, off, len, (int64_t)data);
+        for (uint32_t s = 0; s < n; s++)
+            CHECK(!ranges_overlap(off, len, mpl_slot_meta_of(&r, s)->offset, mpl_slot_span(&r, s)),
+                  "pool entry %u: [%" PRIu64 ", +%" PRIu64 ") overlaps slot %u's span", i, off, len, s);
+        for (uint32_t j = 0; j < i; j++) {
+            uint64_t w = atomic_load_explicit(&ctl_of(&r)->pool[j], memory_order_relaxed);
+            CHECK(!w || !ranges_overlap(off, len, (w >> 30) * 4096, (w & ((1ull << 30) - 1)) * 4096),
+                  "pool entries %u and %u overlap", i, j);
         }
     }
     uint64_t hint = mpl_region_size_hint(&r);
@@ -2301,11 +2436,11 @@ int main(int argc, char **argv) {
         return 1;
     }
     printf("test_ring OK: phase=%s mode=%s workers=%d batches=%" PRIu64 " seed=%" PRIu64 " slots=%u slot_bytes=%" PRIu64
-           " max_need=%" PRIu64 " grow_pct=%" PRIu64 " grows=%" PRIu64 " in_place=%" PRIu64 " max_held=%" PRIu64 " out_of_order_releases=%" PRIu64
+           " max_need=%" PRIu64 " grow_pct=%" PRIu64 " grows=%" PRIu64 " in_place=%" PRIu64 " parks=%" PRIu64 " max_held=%" PRIu64 " out_of_order_releases=%" PRIu64
            " probes=%" PRIu64 " short_waits=%" PRIu64 "/%" PRIu64 " MiB=%.1f checks=%lu time=%.2fs\n",
            cfg.do_contract && cfg.do_stress ? "all" : cfg.do_contract ? "contract" : "stress",
            cfg.threads ? "thread" : "fork", cfg.workers, cfg.batches, cfg.seed, cfg.nslots, cfg.slot_bytes,
-           cfg.max_need, cfg.grow_pct, st.grows, st.in_place, st.max_held, st.out_of_order, st.probes, st.short_timeouts, st.short_waits,
+           cfg.max_need, cfg.grow_pct, st.grows, st.in_place, st.parks, st.max_held, st.out_of_order, st.probes, st.short_timeouts, st.short_waits,
            (double)st.bytes / (1 << 20), (unsigned long)atomic_load(&g_checks), (double)(now_ns() - t0) / 1e9);
     return 0;
 }
