@@ -106,6 +106,19 @@ class Channel:
     def alive(self) -> bool:
         return self.status is None
 
+    def finish(self, task: Task) -> None:
+        """``task`` is done with (consumed, or dropped stale): off ``outstanding``.  The
+        head is the common case (a worker publishes in order: the known-published prefix
+        shrinks by one); elsewhere the prefix is recounted (``done = 0``).  The C step
+        ``_steps.hand_off`` does the same for a batch handed off."""
+        out = self.outstanding
+        if out and out[0] is task:
+            out.popleft()
+            self.done = max(0, self.done - 1)
+        elif task in out:
+            out.remove(task)
+            self.done = 0
+
     def forget_records(self, keep: list[tuple[Task | None, bytes]] | None = None) -> None:
         """The scheduler gave this worker up (stopped, failed, dead and replaced): its
         records not yet sent go with it, but for ``keep`` (records of tasks already

@@ -205,9 +205,7 @@ class Dispatch(Receive):
             # Detached, so the dead worker owes nothing and is replaced; still in `unsent`
             # (an interrupted loop is finished by the next call).
             for t in tasks:
-                if t in dead.outstanding:
-                    dead.outstanding.remove(t)
-                    dead.done = 0
+                dead.finish(t)
             while items:
                 task, frame = items[0]
                 if task is None:  # the dead worker's RETIRE

@@ -196,15 +196,6 @@ class Receive:
 
     # ---- retirement, staleness, reset ----
 
-    def _finish_task(self, task: Task) -> None:
-        w = task.worker
-        if w.outstanding and w.outstanding[0] is task:
-            w.outstanding.popleft()
-            w.done = max(0, w.done - 1)
-        elif task in w.outstanding:
-            w.outstanding.remove(task)
-            w.done = 0
-
     def _reap_retired(self) -> None:
         """Forget retired workers that have delivered everything and exited."""
         res = self.res
@@ -306,7 +297,7 @@ class Receive:
                 else:
                     keep.append(t)
                     continue
-            self._finish_task(t)
+            t.worker.finish(t)
             if t.seq in self.stale_pipe and t.seq in w.mailbox:
                 del w.mailbox[t.seq]
                 self.stale_pipe.discard(t.seq)

@@ -205,9 +205,7 @@ class Watchdog:
         for t, frame in items:
             src = t.source
             target = sched._pick_worker(src[3] if len(src) > 3 else None)
-            if t in w.outstanding:
-                w.outstanding.remove(t)
-                w.done = 0
+            w.finish(t)
             if target is None:   # (no live worker for it now: the next dispatch tries again)
                 sched.keep_unsent(w, t, frame)
                 continue
