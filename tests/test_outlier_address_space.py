@@ -27,7 +27,7 @@ import pytest
 from test_faults import _assert_group_gone
 
 import mploader
-from mploader import _pinning
+from mploader import _pinning, _ring
 
 pytestmark = pytest.mark.timeout(180)
 MiB = 1 << 20
@@ -146,3 +146,44 @@ def test_only_a_pinned_loaders_region_is_marked_pinned(monkeypatch, pin):
             assert b.shape == (1, want) and int(b.min()) == int(b.max()) == i % 251, i
             del b
         assert loader._engine.region.pinned is pin
+
+
+def test_park_gives_a_free_slots_range_to_the_next_grow_only_in_the_creator():
+    """``Region.park``: the parent gives a FREE slot's pages and range back (the slot is
+    left empty); another slot's grow takes that range instead of new address space.
+    Refused (False, nothing changed) for a slot that is not FREE and in a pinned region;
+    a forked child gets SlotStateError."""
+    region = _ring.create_region(2, 0)
+    try:
+        region.assign(0, 1)
+        region.begin(0, 1)
+        assert region.grow(0, MiB) is True
+        off0 = region.meta(0).offset
+        assert region.park(0) is False                   # ASSIGNED: a worker may be writing it
+        region.reclaim(0)
+        blocks = os.fstat(region.fd).st_blocks * 512
+        file_bytes = region.file_bytes
+        assert region.park(0) is True
+        assert (region.meta(0).capacity, region.span(0)) == (0, 0)
+        assert blocks - os.fstat(region.fd).st_blocks * 512 >= MiB   # its pages are given back
+        region.assign(1, 2)
+        region.begin(1, 2)
+        assert region.grow(1, MiB - 4096) is True
+        assert (region.meta(1).offset, region.span(1)) == (off0, MiB)  # slot 0's range
+        assert region.file_bytes == file_bytes                         # no new address space
+        region.reclaim(1)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            try:
+                region.park(1)
+            except _ring.SlotStateError:
+                os._exit(0)
+            os._exit(1)
+        assert os.waitpid(pid, 0)[1] == 0
+        assert region.pinned is False
+        region.set_pinned()
+        assert region.pinned is True
+        assert region.park(1) is False                   # pinned: punched pages are never reused
+        assert (region.meta(1).offset, region.span(1)) == (off0, MiB)
+    finally:
+        region.close()
