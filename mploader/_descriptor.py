@@ -226,7 +226,8 @@ class Structures:
         return layout
 
     def keep_plan(self, key: tuple, plan: Any) -> None:
-        """Keep ``plan`` for the batches of ``key`` (replacing the one there)."""
+        """Keep ``plan`` for the batches of ``key`` (replacing the one there); the
+        dict ``plans`` is only ever changed in place (a planner holds it)."""
         if len(self.plans) >= self.max_plans and key not in self.plans:
             self.plans.clear()
         self.plans[key] = plan

@@ -167,20 +167,16 @@ class Planner:
     given), keyed by (batch size, tail length).
     """
 
-    __slots__ = ("other", "pending", "structures", "unused")
+    __slots__ = ("other", "pending", "plans", "structures", "unused")
 
     def __init__(self, other: OtherColumn | None = None, structures: Structures | None = None) -> None:
         if structures is None:
             structures = Structures(MAX_PLANS)
         self.other = other                  # the face's plans for other leaves (make_plan)
         self.structures = structures        # where the plans are kept
+        self.plans: dict[tuple, Plan] = structures.plans  # (its dict, read once per batch)
         self.pending: tuple | None = None   # (samples, collated, tail) of the batch being finished
         self.unused = 0                     # plans learnt since a plan last published a batch
-
-    @property
-    def plans(self) -> dict[tuple, Plan]:
-        """(batch size, tail length) -> :class:`Plan` (``structures.plans``)."""
-        return self.structures.plans
 
     def publish(self, samples: list, writer: Any, tail: bytes | None = None) -> bool:
         """Write and publish ``samples`` by the plan for their batch size and the
@@ -188,7 +184,7 @@ class Planner:
         False (nothing published) when there is none or they do not match it."""
         if type(samples) is not list:
             return False  # (a dataset's __getitems__ may return another sequence)
-        plan = self.structures.plans.get((len(samples), len(tail) if tail else 0))
+        plan = self.plans.get((len(samples), len(tail) if tail else 0))
         if plan is None or not plan.fill(samples, writer, tail):
             return False
         writer.publish_plan(plan.core)

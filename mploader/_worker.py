@@ -211,6 +211,15 @@ def _init(spec: WorkerSpec, worker_id: int) -> BatchFailure | None:
 task_epoch = -1
 
 
+#: :meth:`Batches.make`'s answer when a plan published the batch.
+_PUBLISHED = (None, True)
+
+
+def _no_face(dataset: Any, what: Any) -> Any:
+    """:class:`Batches`' steps for a plain ``fetch`` callable (never called)."""
+    raise AssertionError("a plain fetch callable has no steps")
+
+
 class Batches:
     """One worker's way from a task to a published batch: load, plan, collate,
     publish, learn (docs/faces.md, "The worker contract").
@@ -223,13 +232,18 @@ class Batches:
     (:class:`mploader._descriptor.Structures`), which every :meth:`writer` uses.
     """
 
-    __slots__ = ("face", "fetch", "planner", "structures")
+    __slots__ = ("face", "fetch", "load", "plannable", "planner", "structures", "tail")
 
     def __init__(self, fetch: Callable) -> None:
         self.fetch = fetch
-        self.face: Face | None = fetch if isinstance(fetch, Face) else None
+        face = self.face = fetch if isinstance(fetch, Face) else None
         self.structures = Structures(MAX_PLANS)
-        self.planner = Planner(self.face.other_columns, self.structures) if self.face is not None else None
+        self.planner = Planner(face.other_columns, self.structures) if face is not None else None
+        #: the face's ``tail``, None where it is Face's (no tail: one call less per batch)
+        self.tail = face.tail if face is not None and type(face).tail is not Face.tail else None
+        # (bound once: the face's steps cost a method lookup less per batch)
+        self.load: Callable[[Any, Any], Any] = face.load if face is not None else _no_face
+        self.plannable: Callable[[Any, Any], bool] = face.plannable if face is not None else _no_face
 
     def writer(self, region: Any, slot: int, seq: int) -> SlotWriter:
         """The writer of task ``seq``'s batch into ``slot`` (ASSIGNED to it)."""
@@ -242,28 +256,31 @@ class Batches:
         :class:`mploader._bad_samples.Guard` over ``dataset`` under ``"skip"`` /
         ``"substitute"``, which loads again without a sample that raised.  Raises
         what the face raises."""
-        alloc = writer.alloc if writer is not None else np.empty
         face = self.face
         if face is None:
+            alloc = writer.alloc if writer is not None else np.empty
             fetch = self.fetch
             if guard is not None:
                 return guard.fetch(lambda left: fetch(guard, left, alloc), indices), False
             return fetch(dataset, indices, alloc), False
+        load = self.load
         if guard is not None:
             dataset = guard
-            samples = guard.fetch(lambda left: face.load(guard, left), indices)
+            samples = guard.fetch(lambda left: load(guard, left), indices)
         else:
-            samples = face.load(dataset, indices)
-        if writer is not None and face.plannable(dataset, samples):
+            samples = load(dataset, indices)
+        take_tail = self.tail
+        if writer is not None and self.plannable(dataset, samples):
             planner = self.planner
             assert planner is not None
-            tail = face.tail()
+            tail = take_tail() if take_tail is not None else None
             if planner.publish(samples, writer, tail):
-                return None, True
-            collated = face.collate(samples, alloc)
+                return _PUBLISHED
+            collated = face.collate(samples, writer.alloc)
             planner.remember(samples, collated, tail)
             return face.wrap(collated, tail), False
-        return face.wrap(face.collate(samples, alloc), face.tail()), False
+        collated = face.collate(samples, writer.alloc if writer is not None else np.empty)
+        return face.wrap(collated, take_tail() if take_tail is not None else None), False
 
     def deliver(self, send: Callable[[bytes], None], writer: SlotWriter | None, seq: int, kind: int,
                 batch: Any) -> None:
@@ -291,6 +308,7 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
     wid = boot.worker_id
     meter = WorkerBusy(boot.busy) if boot.busy is not None else None
     batches = Batches(spec.fetch)
+    structures = batches.structures
     guard = None
     if spec.on_error != "raise":  # dataset[i] raising: substitute or skip, reported to the parent
         guard = _bad_samples.Guard(dataset, spec.on_error, base_seed, send)
@@ -311,7 +329,7 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
         task_epoch = epoch
         if reseed and not cancelled:
             seed_rngs(batch_seed(base_seed, epoch, batch_index))
-        writer = batches.writer(region, slot, seq) if slot >= 0 else None
+        writer = SlotWriter(region, slot, seq, structures) if slot >= 0 else None
         batch: Any
         published = False
         if cancelled:
