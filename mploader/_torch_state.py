@@ -16,8 +16,8 @@ once from ``base_seed + i`` and each batch it builds draws from where its previo
 batch left them, so the state also holds, under ``"worker_rng"``, the base seed and
 each worker's RNG states after its last batch the user received
 (:class:`WorkerStreams`; the worker sends them with every batch), and which worker
-each batch in flight was given (:class:`_Dispatch`'s round robin; a worker answers
-its tasks in order, so its batches received are a prefix of its tasks).  Resuming
+each batch in flight was given (``_Dispatch.in_flight`` of the face's round robin,
+settled by the engine's tags: each result comes with its worker and batch index).  Resuming
 with the same ``num_workers`` starts each worker from its saved states and gives
 the batches that were in flight to the workers that had them, then goes on with the
 saved round-robin position: every batch is built by the same worker from the same
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Container, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset, RandomSampler
@@ -39,11 +39,51 @@ from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 from . import _rng_state, _state
 from ._options import check_int
 
-if TYPE_CHECKING:
-    from .torch import DataLoader
-
-__all__ = ["Position", "WorkerStreams", "begin", "state_dict", "load_state_dict", "SingleIter",
+__all__ = ["LoaderState", "Position", "WorkerStreams", "begin", "state_dict", "load_state_dict", "SingleIter",
            "check_snapshot_every", "next_counted", "worker_resume", "track_workers"]
+
+#: A ``mploader.torch.DataLoader`` (not imported: that module imports this one).
+DataLoader = Any
+
+
+class LoaderState:
+    """Everything mploader keeps on one ``mploader.torch.DataLoader`` (its ``_mpl``),
+    in one object with one owner: the loader makes and closes the engine
+    (``engine``, the ``engine_key`` it was made for, its ``WorkerInit`` ``init``, the
+    CUDA ``host_pinner`` and whether batches come out ``pinned``), this module keeps
+    the checkpoint (``ckpt``, ``gen_at_iter``); ``epoch`` counts the loader's
+    epochs; ``auto_prefetch``: ``prefetch_factor`` was left to its default;
+    ``report``: ``log_stats_every``'s (seconds, logger) for each new engine;
+    ``bad_loaded``: a checkpoint's bad samples, for the next engine."""
+
+    __slots__ = ("auto_prefetch", "bad_loaded", "ckpt", "engine", "engine_key", "epoch", "gen_at_iter",
+                 "host_pinner", "init", "pinned", "report")
+
+    def __init__(self, auto_prefetch: bool) -> None:
+        self.auto_prefetch = auto_prefetch
+        self.bad_loaded: tuple | None = None
+        self.ckpt: Any = None
+        self.engine: Any = None
+        self.engine_key: tuple | None = None
+        self.epoch = 0
+        self.gen_at_iter: list | None = None   # the base-seed generator as the last iterator started
+        self.host_pinner: Any = None
+        self.init: Any = None
+        self.pinned = False
+        self.report: tuple | None = None
+
+    def next_epoch(self) -> int:
+        """The number of the epoch an iterator starts now."""
+        epoch = self.epoch
+        self.epoch += 1
+        return epoch
+
+    def detached(self) -> LoaderState:
+        """A copy for a pickled loader: no engine, pinner or checkpoint (the copy
+        starts its own workers)."""
+        other = LoaderState(self.auto_prefetch)
+        other.bad_loaded, other.epoch, other.report = self.bad_loaded, self.epoch, self.report
+        return other
 
 
 class _GeneratorRNG:
@@ -157,13 +197,14 @@ class _IterableState:
 
 
 def _checkpoint(loader: DataLoader) -> Any:
-    ckpt = loader.__dict__.get("_mpl_ckpt")
+    mpl = loader._mpl
+    ckpt = mpl.ckpt
     if ckpt is None:
         if isinstance(loader.dataset, IterableDataset):
             ckpt = _IterableState()
         else:
             ckpt = _state.MapState("torch", loader.dataset, loader._index_sampler, rng=_rng_of(loader.sampler))
-        loader.__dict__["_mpl_ckpt"] = ckpt
+        mpl.ckpt = ckpt
     return ckpt
 
 
@@ -182,8 +223,8 @@ def iterator_starting(loader: DataLoader) -> None:
     the base-seed generator's state before that draw is what a mid-epoch state
     restores (the resumed iterator then draws the same base seed)."""
     generator = _base_seed_generator(loader)
-    loader.__dict__["_mpl_gen_at_iter"] = generator.get_state().tolist() if generator is not None else None
-    ckpt: Any = loader.__dict__.get("_mpl_ckpt")
+    loader._mpl.gen_at_iter = generator.get_state().tolist() if generator is not None else None
+    ckpt: Any = loader._mpl.ckpt
     rng = getattr(ckpt, "rng", None)
     if isinstance(rng, _GlobalRNG):
         pending = ckpt.pending
@@ -195,8 +236,8 @@ def _generator_state(loader: DataLoader, mid_epoch: bool) -> list | None:
     generator = _base_seed_generator(loader)
     if generator is None:
         return None
-    if mid_epoch and loader.__dict__.get("_mpl_gen_at_iter") is not None:
-        return copy.deepcopy(loader.__dict__["_mpl_gen_at_iter"])
+    if mid_epoch and loader._mpl.gen_at_iter is not None:
+        return copy.deepcopy(loader._mpl.gen_at_iter)
     return generator.get_state().tolist()
 
 
@@ -469,7 +510,7 @@ def state_dict(loader: DataLoader) -> dict:
         mid_epoch = progress is not None and not progress.finished
         worker_batches = [0] * loader.num_workers if loader.num_workers > 0 else None
         if progress is None or progress.finished:
-            epoch, consumed = loader._mpl_epoch, 0
+            epoch, consumed = loader._mpl.epoch, 0
         else:
             epoch, consumed = progress.epoch, progress.consumed
             if ckpt.per_worker is not None and len(ckpt.per_worker) == loader.num_workers:
@@ -485,13 +526,13 @@ def state_dict(loader: DataLoader) -> dict:
                 "worker_rng": _worker_rng(loader, ckpt, mid_epoch),
                 "base_seed_generator": _generator_state(loader, mid_epoch)}
     if ckpt.pending is not None:
-        return ckpt.state(loader._mpl_epoch, seed)
+        return ckpt.state(loader._mpl.epoch, seed)
     mid_epoch = ckpt.progress is not None and not ckpt.progress.finished
-    state = ckpt.state(loader._mpl_epoch, seed, {"num_workers": loader.num_workers,
+    state = ckpt.state(loader._mpl.epoch, seed, {"num_workers": loader.num_workers,
                                                  "sampler_type": _state.type_name(loader.sampler),
                                                  "worker_rng": _worker_rng(loader, ckpt, mid_epoch),
                                                  "base_seed_generator": _generator_state(loader, mid_epoch)})
-    if not mid_epoch and loader.__dict__.get("_iterator") is not None and state["rng_at"] == "epoch_start":
+    if not mid_epoch and loader._iterator is not None and state["rng_at"] == "epoch_start":
         # Persistent workers: the next epoch reuses the iterator, which draws no base
         # seed, but a fresh loader's first iter() does -- so the sampler's generator
         # is set at its first pull, after that draw.
@@ -540,7 +581,7 @@ def load_state_dict(loader: DataLoader, state: Any) -> None:
         except _state.StateMismatchError:
             ckpt.pending = None
             raise
-    loader._mpl_epoch = loaded["epoch"]
+    loader._mpl.epoch = loaded["epoch"]
     seed = loaded.get("seed")
     if seed is not None:
         seed = _state.check_field_int("seed", seed, maximum=None)
@@ -549,7 +590,7 @@ def load_state_dict(loader: DataLoader, state: Any) -> None:
         # The engine was built for the other seeding, or its workers' replicas have
         # moved on: the next iter() makes new ones.
         loader.close()
-    iterator = loader.__dict__.get("_iterator")
+    iterator = loader._iterator
     if iterator is not None and loader.persistent_workers:
         loader._iterator = None   # persistent workers: the next iter() starts a new pass from the state
 
@@ -595,7 +636,7 @@ class SingleIter(_SingleProcessDataLoaderIter):
                 # iter(dataset) has no state to restore (another dataset type's, or a
                 # tampered field): the replica is fast-forwarded instead
                 ckpt.pending["dataset_iter_state"] = iter_state = None
-        self._mpl_pos = begin(loader, loader._mpl_next_epoch(), self._sampler_iter)
+        self._mpl_pos = begin(loader, loader._mpl.next_epoch(), self._sampler_iter)
         self._sampler_iter: Any = self._mpl_pos.indices()
         if isinstance(ckpt, _IterableState):
             ckpt.dataset_iter = dataset_iter

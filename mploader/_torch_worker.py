@@ -98,7 +98,7 @@ class WorkerInit:
             _rng_state.restore(state)
 
 
-#: What a worker's payload is (the third item of what :class:`Fetch` returns).
+#: What a worker's payload is (the second item of a :class:`Fetch` batch).
 ARRAYS, PACKED, EXHAUSTED = 0, 1, 2
 
 #: How a batch's samples become what the worker returns (see :class:`Fetch`).
@@ -108,7 +108,8 @@ DEFAULT, CONVERT, CUSTOM = "default", "convert", "custom"
 class Fetch(Face):
     """The torch face's worker contract (:class:`mploader._face.Face`).
 
-    The batch is ``(worker_id, payload, kind, rng)``: ``kind`` ARRAYS -- the batch with
+    The batch is ``(payload, kind, rng)`` (which worker built it, the engine says:
+    ``Engine.run(tagged=True)``): ``kind`` ARRAYS -- the batch with
     arrays where torch has tensors (the parent applies
     :func:`~mploader._torch_collate.to_tensors`); PACKED -- a
     :func:`~mploader._torch_collate.pack` result (the parent unpacks it); EXHAUSTED
@@ -166,12 +167,12 @@ class Fetch(Face):
         return (self.mode == DEFAULT and self.auto_collation and not isinstance(dataset, IterableDataset)
                 and stock_default_collate())
 
-    def wrap(self, collated: Any, tail: bytes | None) -> tuple[int, Any, int, bytes | None]:
+    def wrap(self, collated: Any, tail: bytes | None) -> tuple[Any, int, bytes | None]:
         if collated is _END:
-            return (_worker_id(), None, EXHAUSTED, tail)
+            return (None, EXHAUSTED, tail)
         if type(collated) is _Packed:
-            return (_worker_id(), collated.packed, PACKED, tail)
-        return (_worker_id(), collated, ARRAYS, tail)
+            return (collated.packed, PACKED, tail)
+        return (collated, ARRAYS, tail)
 
     def _next_samples(self, dataset: Any, indices: Any) -> Any:
         _, epoch, n = indices
@@ -266,11 +267,6 @@ class _Packed:
 
 #: ``_next_samples``' answer when the replica has no (full) batch left.
 _END = object()
-
-
-def _worker_id() -> int:
-    info = _torch_worker._worker_info
-    return info.id if info is not None else -1
 
 
 def _map_samples(dataset: Any, indices: Any) -> Any:

@@ -172,7 +172,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
                  max_bad_fraction: float | None = 0.01, max_bad_samples: int | None = None,
                  bad_sample_log: Any = None) -> None:
         extra = {"in_order": in_order} if _TORCH_HAS_IN_ORDER else {}
-        self._mpl_auto_prefetch = prefetch_factor is None   # torch's default 2, raised for small batches
+        # mploader's state of this loader, one object (auto_prefetch: prefetch_factor=None,
+        # torch's 2 raised for small batches)
+        self._mpl = _torch_state.LoaderState(auto_prefetch=prefetch_factor is None)
         _trainer_record(self, dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler,
                         batch_sampler=batch_sampler, num_workers=num_workers, collate_fn=collate_fn,
                         pin_memory=pin_memory, drop_last=drop_last, timeout=timeout, worker_init_fn=worker_init_fn,
@@ -214,17 +216,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.stall_timeout, self.max_retries = long_runs.stall_timeout, long_runs.max_retries
         self.on_error, self.max_bad_fraction = long_runs.on_error, long_runs.max_bad_fraction
         self.max_bad_samples, self.bad_sample_log = long_runs.max_bad_samples, long_runs.bad_sample_log
-        self._mpl_bad_loaded: tuple | None = None   # a checkpoint's bad samples, for the next engine
-        self._mpl_engine: _engine.Engine | None = None
-        self._mpl_engine_key: tuple | None = None
-        self._mpl_init: WorkerInit | None = None
-        self._mpl_pinned = False
-        self._mpl_host_pinner: _pinning.HostPinner | None = None
-        self._mpl_epoch = 0
-        self._mpl_report: tuple | None = None  # log_stats_every's (seconds, logger), for each new engine
         # checkpoints (issue 11, mploader/_torch_state.py)
         self.snapshot_every_n_steps = _torch_state.check_snapshot_every(snapshot_every_n_steps)
-        self._mpl_ckpt: Any = None
 
     # ---- iterators ----
 
@@ -237,10 +230,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.check_worker_number_rationality()
         return _RingIter(self)
 
-    def _mpl_next_epoch(self) -> int:
-        epoch = self._mpl_epoch
-        self._mpl_epoch += 1
-        return epoch
+    @property
+    def _mpl_engine(self) -> _engine.Engine | None:
+        """The loader's engine (None before the first multi-worker ``iter()`` and after
+        ``close()``); read-only, for tests and benchmarks."""
+        return self._mpl.engine
 
     def _mpl_get_engine(self) -> tuple[_engine.Engine, WorkerInit]:
         """The loader's engine (created at the first multi-worker ``iter()``, again
@@ -251,25 +245,26 @@ class DataLoader(_TorchDataLoader[_T_co]):
         start_method = ctx if isinstance(ctx, str) else ctx.get_start_method()
         key = (self.num_workers, start_method, self.prefetch_factor, self.timeout, self.collate_fn,
                self.worker_init_fn, bool(self.pin_memory))
-        if self._mpl_engine is None or self._mpl_engine_key != key or self._mpl_engine.closed:
+        mpl = self._mpl
+        if mpl.engine is None or mpl.engine_key != key or mpl.engine.closed:
             self.close()
-            self._mpl_engine, init, pinner = self._mpl_new_engine(start_method)
-            self._mpl_host_pinner = pinner
-            self._mpl_pinned = pinner is not None
-            self._mpl_engine_key = key
-            if self._mpl_report is not None:
-                _diagnose.log_stats_every(self._mpl_engine, *self._mpl_report)
-            self._mpl_init = init
-        assert self._mpl_init is not None
-        return self._mpl_engine, self._mpl_init
+            mpl.engine, init, pinner = self._mpl_new_engine(start_method)
+            mpl.host_pinner = pinner
+            mpl.pinned = pinner is not None
+            mpl.engine_key = key
+            if mpl.report is not None:
+                _diagnose.log_stats_every(mpl.engine, *mpl.report)
+            mpl.init = init
+        assert mpl.init is not None
+        return mpl.engine, mpl.init
 
     def _mpl_new_engine(self, start_method: str | None = None) -> tuple[_engine.Engine, WorkerInit, Any]:
         """A new engine for this loader's current attributes, its ``WorkerInit`` and its
         pinner (None: batches are not pinned).  ``start_method`` None: the one of the
         loader's engine (an iterator's own engine: :meth:`_RingIter._reset`)."""
         if start_method is None:
-            assert self._mpl_engine is not None
-            start_method = self._mpl_engine.start_method
+            assert self._mpl.engine is not None
+            start_method = self._mpl.engine.start_method
         if self.collate_fn is default_collate and self._auto_collation:
             mode = DEFAULT
         elif self.collate_fn is default_convert and not self._auto_collation:
@@ -291,9 +286,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
             stall_timeout=self.stall_timeout, max_retries=self.max_retries, on_error=self.on_error,
             max_bad_fraction=self.max_bad_fraction, max_bad_samples=self.max_bad_samples,
             bad_sample_log=self.bad_sample_log)
-        if self._mpl_bad_loaded is not None:
-            engine.load_bad_samples(self._mpl_bad_loaded)
-            self._mpl_bad_loaded = None
+        if self._mpl.bad_loaded is not None:
+            engine.load_bad_samples(self._mpl.bad_loaded)
+            self._mpl.bad_loaded = None
         if pinner is not None:
             weakref.finalize(engine, pinner.release)
         return engine, init, pinner
@@ -312,8 +307,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
         """Stop the workers and release the shared memory (tensors already returned
         stay valid); with ``pin_memory`` on CUDA, unregister the pinned region.
         Idempotent; the loader starts new workers if iterated again."""
-        engine, self._mpl_engine = self._mpl_engine, None
-        pinner, self._mpl_host_pinner = self._mpl_host_pinner, None
+        mpl = self._mpl
+        engine, mpl.engine = mpl.engine, None
+        pinner, mpl.host_pinner = mpl.host_pinner, None
         if engine is not None:
             engine.close()
         if pinner is not None:
@@ -328,8 +324,7 @@ class DataLoader(_TorchDataLoader[_T_co]):
     def __getstate__(self) -> dict:
         """Pickling (deepcopy, spawned trainers) drops the workers; the copy starts its own."""
         state = self.__dict__.copy()
-        state.update(_iterator=None, _mpl_engine=None, _mpl_engine_key=None, _mpl_init=None, _mpl_pinned=False,
-                     _mpl_host_pinner=None, _mpl_ckpt=None, _mpl_gen_at_iter=None)
+        state.update(_iterator=None, _mpl=self._mpl.detached())
         return state
 
     # ---- checkpoints (issue 11; mploader/_torch_state.py, docs/design.md "Checkpoint state") ----
@@ -367,14 +362,14 @@ class DataLoader(_TorchDataLoader[_T_co]):
         """
         state = _torch_state.state_dict(self)
         if self.on_error != "raise":   # the bad samples' report and budget counts (README, "Long runs")
-            engine = self._mpl_engine
+            engine = self._mpl.engine
             state = dict(state)
             if engine is not None:
                 state["bad_samples"] = engine.bad_sample_state()
             else:   # (none yet: what a checkpoint loaded, or nothing)
                 ledger = _bad_samples.Ledger(None, None, None)
-                if self._mpl_bad_loaded is not None:
-                    ledger.load(self._mpl_bad_loaded)
+                if self._mpl.bad_loaded is not None:
+                    ledger.load(self._mpl.bad_loaded)
                 state["bad_samples"] = ledger.state()
         return state
 
@@ -395,10 +390,10 @@ class DataLoader(_TorchDataLoader[_T_co]):
         bad = _bad_samples.parse_state(state.get("bad_samples")) if isinstance(state, dict) else None
         _torch_state.load_state_dict(self, state)
         if bad is not None and self.on_error != "raise":
-            self._mpl_bad_loaded = bad
-            if self._mpl_engine is not None:
-                self._mpl_engine.load_bad_samples(bad)
-                self._mpl_bad_loaded = None
+            self._mpl.bad_loaded = bad
+            if self._mpl.engine is not None:
+                self._mpl.engine.load_bad_samples(bad)
+                self._mpl.bad_loaded = None
 
     def stats(self) -> dict:
         """The engine's counters and input-pipeline metrics, as
@@ -406,11 +401,12 @@ class DataLoader(_TorchDataLoader[_T_co]):
         in the engine's ``next()`` (turning arrays into tensors is not counted).
         Zeros before the first multi-worker iteration, after ``close()`` and with
         ``num_workers=0``."""
-        if self._mpl_engine is None:
+        engine = self._mpl.engine
+        if engine is None:
             out = _metrics.idle_transport_stats()
             out.update(_metrics.empty_stats())
             return out
-        return self._mpl_engine.stats()
+        return engine.stats()
 
     def log_stats_every(self, seconds: float | None, logger: Any = None) -> None:
         """As ``mploader.DataLoader.log_stats_every``: log ``stats()`` and the verdict of
@@ -427,9 +423,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
         if self.num_workers == 0:
             raise ValueError("log_stats_every needs worker processes, got num_workers=0")
         _diagnose.check_report(seconds, logger)
-        self._mpl_report = (seconds, logger)
-        if self._mpl_engine is not None:
-            _diagnose.log_stats_every(self._mpl_engine, seconds, logger)
+        self._mpl.report = (seconds, logger)
+        if self._mpl.engine is not None:
+            _diagnose.log_stats_every(self._mpl.engine, seconds, logger)
 
 
 class _RingIter(_BaseDataLoaderIter):
@@ -469,7 +465,7 @@ class _RingIter(_BaseDataLoaderIter):
         super()._reset(loader, first_iter)
         del self._held[:]   # a record of the abandoned pass
         engine = self._engine
-        pinned = loader._mpl_pinned
+        pinned = loader._mpl.pinned
         resume = _torch_state.worker_resume(loader)   # a checkpoint's workers (torch's seeding)
         if first_iter or not self._persistent_workers or engine is None or engine.closed or resume is not None:
             # New workers for this iterator, seeded from this iterator's base seed
@@ -487,7 +483,7 @@ class _RingIter(_BaseDataLoaderIter):
                 pinned = pinner is not None
             else:
                 engine.stop_workers()
-                pinned = loader._mpl_pinned
+                pinned = loader._mpl.pinned
             if resume is not None:
                 self._base_seed = resume["base_seed"]
             init.base_seed = self._base_seed
@@ -502,7 +498,7 @@ class _RingIter(_BaseDataLoaderIter):
         self._dispatch = _Dispatch(self._num_workers, self._prefetch_factor, self._in_order)
         if resume is not None:
             self._dispatch.resume(resume["assigned"], resume["next_worker"])
-        self._epoch = loader._mpl_next_epoch()
+        self._epoch = loader._mpl.next_epoch()
         # torch's iterator iterates the batch sampler in __init__ and again in _reset;
         # a persistent one's later epochs only in _reset.
         per_epoch = 1 if self._persistent_workers else 2
@@ -534,7 +530,7 @@ class _RingIter(_BaseDataLoaderIter):
                     break
                 raise
             wid, _, value, failed = held[0]   # a batch, or one that raised: dropped as the others
-            rng = getattr(value, "mploader_rng", None) if failed else value[3]
+            rng = getattr(value, "mploader_rng", None) if failed else value[2]
             if rng is not None:
                 streams.received(wid, rng)
             del held[:]
@@ -597,7 +593,7 @@ class _RingIter(_BaseDataLoaderIter):
                     raise error from cause
                 del held[:]
                 raise value   # the batch cannot be read (a corrupt descriptor)
-            payload, kind, rng = value[1:]
+            payload, kind, rng = value
             if rng is not None and streams is not None:
                 streams.after[wid] = rng   # the worker's RNGs after this batch (checkpoints)
             if kind == EXHAUSTED:
@@ -642,7 +638,7 @@ def _auto_depth(loader: DataLoader) -> int | None:
     with torch's seeding: torch's count).  Persistent workers build every batch in
     flight when an epoch is left early (:meth:`_RingIter._drain_abandoned`), so
     their random streams follow torch's only with torch's count in flight."""
-    if not loader._mpl_auto_prefetch or not loader.in_order or isinstance(loader.dataset, IterableDataset) \
+    if not loader._mpl.auto_prefetch or not loader.in_order or isinstance(loader.dataset, IterableDataset) \
             or loader.num_workers <= 0 or (loader.persistent_workers and loader.seed is None):
         return None
     return max(loader.prefetch_factor * loader.num_workers,
@@ -764,7 +760,7 @@ class _SeededInlineIter(_BaseDataLoaderIter):
         super().__init__(loader)
         if self._timeout != 0:
             raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
-        epoch = loader._mpl_next_epoch()
+        epoch = loader._mpl.next_epoch()
         pos = self._mpl_pos = _torch_state.begin(loader, epoch, self._sampler_iter)
         self._sampler_iter: Any = pos.indices()   # (a resumed epoch starts at the saved batch)
         self._it: Any = iter(self._dataset) if isinstance(self._dataset, IterableDataset) else None

@@ -39,7 +39,7 @@ def torch_face_batch(slot, samples):
         got, planned = slot.load(samples)
     except Exception as exc:  # noqa: BLE001 - compared with torch's
         return exc, False, None
-    wid, payload, kind, rng = got
+    payload, kind, rng = got
     assert kind == _torch_worker.ARRAYS
     return _torch_collate.to_tensors(payload), planned, rng
 
@@ -92,7 +92,7 @@ def test_torch_face_batches_with_new_rng_states_go_by_a_plan_of_their_own(monkey
         for b in range(7):
             if b in (3, 5):
                 torch.rand(1)  # the dataset drew a number: this batch sends the states
-            (wid, payload, kind, rng), planned = slot.load(samples(b))
+            (payload, kind, rng), planned = slot.load(samples(b))
             outcomes.append((rng is not None, planned))
             assert rng is None or rng == _rng_state.capture()
             assert_same_batch(_torch_collate.to_tensors(payload), torch.utils.data.default_collate(samples(b)))

@@ -80,7 +80,7 @@ def ring_loader(base: Any, original: mpt.DataLoader) -> mpt.DataLoader:
         raise TypeError(f"original must be an mploader.torch.DataLoader, got {type(original).__name__}")
     kwargs = {name: getattr(base, name) for name in _TORCH_ARGS if hasattr(base, name)}
     if base.num_workers > 0:
-        kwargs["prefetch_factor"] = None if original._mpl_auto_prefetch else base.prefetch_factor
+        kwargs["prefetch_factor"] = None if original._mpl.auto_prefetch else base.prefetch_factor
     kwargs.update({name: getattr(original, name) for name in _MPL_ARGS})
     return mpt.DataLoader(base.dataset, **_sampling(base), **kwargs)
 
