@@ -271,6 +271,19 @@ def worker_resume(loader: DataLoader) -> dict | None:
     return saved
 
 
+def global_rng_to_keep(loader: DataLoader) -> torch.Tensor | None:
+    """Before a new multi-worker iterator draws its base seed: torch's global RNG
+    state, to put back once the iterator is made, when the iterator resumes a state's
+    workers with torch's seeding (:func:`worker_resume`); None otherwise.  The state's
+    base seed replaces that draw, which the uninterrupted run made before the state
+    was taken: a trainer that restores the global RNG with the checkpoint (HF's
+    ``Trainer``; Lightning 2.6 does not) then sees the later epochs' base seeds drawn
+    where the uninterrupted run drew them (``loader.generator`` has its own state)."""
+    if loader.generator is not None or worker_resume(loader) is None:
+        return None
+    return torch.random.get_rng_state()
+
+
 def track_workers(loader: DataLoader, streams: WorkerStreams | None, dispatch: Any) -> None:
     """The running iterator's worker streams and round robin (``_Dispatch``), which
     :func:`state_dict` reads; None for loaders with ``seed=``."""

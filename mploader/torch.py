@@ -228,7 +228,11 @@ class DataLoader(_TorchDataLoader[_T_co]):
                 return _torch_state.SingleIter(self)
             return _SeededInlineIter(self)
         self.check_worker_number_rationality()
-        return _RingIter(self)
+        keep = _torch_state.global_rng_to_keep(self)   # torch's draw of a base seed that a state replaces
+        it = _RingIter(self)
+        if keep is not None:
+            torch.random.set_rng_state(keep)
+        return it
 
     @property
     def _mpl_engine(self) -> _engine.Engine | None:
