@@ -85,8 +85,7 @@ class Dispatch(Receive):
                 slot = self._free_slot()
                 self._dispatch(run, source, worker, slot)
                 if worker.retiring and not worker.replaced:
-                    worker.replaced = True
-                    self.res.workers.append(engine._start_worker(worker.wid))
+                    self.start_successor(worker)
         finally:
             if self.outbox:
                 self._send_pending()
@@ -172,7 +171,7 @@ class Dispatch(Receive):
             if events & select.POLLIN:
                 self._pump(by_fd[fd], 0)
         waited_s = clock.tick(POLL_S)
-        if engine._closing:
+        if engine.closing:
             raise RuntimeError("the loader was closed while sending tasks to its workers")
         if engine.timeout_s is not None and waited_s > engine.timeout_s:
             stuck = ", ".join(f"{w.wid} (pid {w.pid})" for w in self.pending)
@@ -217,6 +216,12 @@ class Dispatch(Receive):
                 _steps.hand_over(self, task, worker, frame, items)
             self._settle(dead)  # (replace_dead may have emptied it already)
         return True
+
+    def start_successor(self, w: Channel) -> None:
+        """Start the worker that takes ``w``'s id (``w`` retires, or the watchdog gave it
+        up): ``w`` is given no task from now on."""
+        w.retiring = w.replaced = True
+        self.res.workers.append(self.engine.start_worker(w.wid))
 
     def keep_unsent(self, w: Channel, task: Task, frame: bytes) -> None:
         """A record of ``w``'s (dead or dying) for :meth:`_resend` to give to another
@@ -280,7 +285,7 @@ class Dispatch(Receive):
             return running
         workers = [w for w in self.res.workers if not w.retiring and w.status is None]
         if len(workers) < self.engine.num_workers:
-            self.engine._ensure_workers()
+            self.engine.ensure_workers()
             workers = [w for w in self.res.workers if not w.retiring and w.status is None]
         if pinned is not None:
             if not 0 <= pinned < self.engine.num_workers:

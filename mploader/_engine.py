@@ -255,6 +255,11 @@ class Engine:
         return self._closed
 
     @property
+    def closing(self) -> bool:
+        """``close()`` has begun (maybe in another thread): a waiting ``next()`` gives up."""
+        return self._closing
+
+    @property
     def region(self) -> Any:
         """The shared region (``mploader._ring.Region``), None before the first run."""
         return self._res.region
@@ -323,8 +328,9 @@ class Engine:
         if self._closed or self._closing:
             raise RuntimeError("the loader is closed")
 
-    def _ensure_workers(self) -> None:
-        """Create the region if needed and start the missing workers (ids 0..N-1)."""
+    def ensure_workers(self) -> None:
+        """Create the region if needed and start the missing workers (ids 0..N-1);
+        the scheduler calls it when a worker is missing at a dispatch."""
         res = self._res
         if res.region is None:
             reserve = _memory.reserve_bytes()
@@ -344,9 +350,11 @@ class Engine:
         have = {w.wid for w in res.workers if not w.retiring}
         for wid in range(self.num_workers):
             if wid not in have:
-                res.workers.append(self._start_worker(wid))
+                res.workers.append(self.start_worker(wid))
 
-    def _start_worker(self, wid: int) -> Channel:
+    def start_worker(self, wid: int) -> Channel:
+        """Start worker ``wid`` and return its channel (not yet among the workers: the
+        caller adds it); the scheduler calls it for a retiring or stuck worker's successor."""
         res = self._res
         region = res.region
         if res.released or region is None:
@@ -378,7 +386,7 @@ class Engine:
             previous = self._current()
             if previous is not None:
                 previous.abandon()
-            self._ensure_workers()
+            self.ensure_workers()
             run = Run(self, tasks, in_order, tagged)
             self._current = weakref.ref(run)  # weak: a run keeps its engine alive, not the reverse
             return run

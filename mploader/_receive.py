@@ -41,7 +41,7 @@ class Receive:
     """The scheduler's receiving side and the workers' health (see the module docstring)."""
 
     # The scheduler's state this part reads and writes (set in Scheduler.__init__)
-    engine: Any                  # a weak proxy of the Engine: its options, _closing, _start_worker, _ensure_workers
+    engine: Any                  # a weak proxy of the Engine: its options, closing, start_worker, ensure_workers
     res: Any                     # the engine's _Resources: region, workers (channels), busy
     generation: int
     stale: list[Task]
@@ -114,7 +114,7 @@ class Receive:
     def _check_wait(self, task: Task, clock: WaitClock, slice_s: float) -> None:
         engine = self.engine
         waited_s = clock.tick(slice_s)
-        if engine._closing:
+        if engine.closing:
             raise RuntimeError("the loader was closed while waiting for a batch")
         # What the live workers sent is read every slice: a worker can be blocked
         # sending a batch through its pipe that nothing waits for yet (a batch of an

@@ -56,7 +56,7 @@ class Scheduler(Dispatch):
     engine : Engine
         Held through a weak proxy: the engine owns the scheduler and must not be
         kept alive by it.  The scheduler reads its options and ``_closing``, and
-        calls ``_start_worker`` / ``_ensure_workers`` when a worker is missing.
+        calls ``start_worker`` / ``ensure_workers`` when a worker is missing.
     """
 
     def __init__(self, engine: Any) -> None:

@@ -196,8 +196,7 @@ class Watchdog:
             if not t.stale and not t.published(region):
                 src = t.source
                 items.append((t, frame_task(t.seq, t.slot, src[0], src[1], src[2])))
-        w.retiring = w.replaced = True      # never given a task again; its wid is free
-        sched.res.workers.append(sched.engine._start_worker(w.wid))
+        sched.start_successor(w)      # w is never given a task again; its wid is free
         self.respawns += 1
         # Handed over here, not through Scheduler._resend, which reaps the dead worker
         # blocking: one in uninterruptible sleep (a hard-mounted NFS read) dies only
