@@ -1,7 +1,8 @@
 """A warm zygote: the process that spawn and forkserver workers are forked from.
 
-One zygote per parent process, started at the first spawn/forkserver worker (or
-earlier by :func:`warm`): a fresh interpreter (``sys.executable``, the parent's
+One zygote per parent process, started when the first loader whose workers come
+from it is constructed (:func:`warm_for_loader`; at the latest at its first worker,
+or earlier by :func:`warm`): a fresh interpreter (``sys.executable``, the parent's
 ``sys.path``), single-threaded, that imports NumPy, mploader's worker modules,
 torch if the parent imported it, and -- before each fork -- the modules the
 loader's dataset, ``fetch`` and ``worker_init`` come from.  It never runs user code
@@ -48,6 +49,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from . import _fds
@@ -143,17 +145,18 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _preload() -> list[str]:
+def _preload(extra: Iterable[str] = ()) -> list[str]:
     mods = ["numpy"]
     if "torch" in sys.modules:
         mods.append("torch")
     if "mploader.torch" in sys.modules:
         mods.append("mploader.torch")
-    return mods
+    return mods + [m for m in extra if m not in mods]
 
 
-def _start() -> None:
-    """Start this process's zygote (the caller holds the lock)."""
+def _start(extra: Iterable[str] = ()) -> None:
+    """Start this process's zygote (the caller holds the lock), preloading ``extra``
+    modules besides NumPy, torch and mploader's (:func:`_preload`)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         ours_fd = _fds.off_stdio(ours.detach())
@@ -165,7 +168,7 @@ def _start() -> None:
     sock = socket.socket(fileno=ours_fd)
     try:
         path = [p for p in sys.path if isinstance(p, str)]  # (each request brings the whole of it)
-        boot = json.dumps({"path": path, "parent": os.getpid(), "fd": theirs_fd, "preload": _preload()})
+        boot = json.dumps({"path": path, "parent": os.getpid(), "fd": theirs_fd, "preload": _preload(extra)})
         code = ("import sys, json; a = json.loads(sys.argv[1]); sys.path[:] = a['path']; "
                 "from mploader._zygote import main; main(a)")
         args = [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", code, boot]  # type: ignore[attr-defined]
@@ -179,7 +182,7 @@ def _start() -> None:
     _Zygote.proc, _Zygote.sock, _Zygote.pid = proc, sock, os.getpid()
 
 
-def _ensure() -> socket.socket:
+def _ensure(extra: Iterable[str] = ()) -> socket.socket:
     if _Zygote.pid == os.getpid() and _Zygote.proc is not None and _Zygote.proc.poll() is None:
         assert _Zygote.sock is not None
         return _Zygote.sock
@@ -188,18 +191,72 @@ def _ensure() -> socket.socket:
     _Zygote.sock = None
     if _Zygote.proc is not None and _Zygote.pid == os.getpid():
         _Zygote.proc.wait()  # (it died: reap it)
-    _start()
+    _start(extra)
     assert _Zygote.sock is not None
     return _Zygote.sock
 
 
-def warm() -> None:
-    """Start this process's zygote now, if it is not running (it then preloads while
-    this process goes on); a no-op where the zygote is turned off."""
+def warm(modules: Iterable[str] = ()) -> None:
+    """Start this process's zygote now, if it is not running (it then preloads NumPy,
+    torch if imported here, and ``modules`` while this process goes on); a no-op where
+    the zygote is turned off.
+
+    Raises
+    ------
+    OSError
+        The interpreter could not be started (no process, no descriptor).
+    """
     if not enabled():
         return
     with _Zygote.lock:
-        _ensure()
+        _ensure(modules)
+
+
+def loader_start_method(context: Any) -> str:
+    """The start method of a loader's ``multiprocessing_context``: a name, a context
+    (``get_start_method()``), or None for ``multiprocessing``'s default -- the method
+    set with ``set_start_method``, else the platform's default (the first of
+    ``get_all_start_methods()``; read without fixing it, so the user may still set it)."""
+    if context is None:
+        return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_all_start_methods()[0]
+    if isinstance(context, str):
+        return context
+    return str(context.get_start_method())
+
+
+def warm_for_loader(context: Any, num_workers: int, objects: Iterable[Any] = ()) -> bool:
+    """A loader is constructed: start this process's zygote now if the loader's
+    workers will come from it (``num_workers > 0`` under spawn or forkserver, see
+    :func:`loader_start_method`), so that its imports (torch: about a second) overlap
+    what the user does between constructing the loader and its first ``iter()``.
+    The zygote then also preloads the modules that ``objects`` (the dataset,
+    ``collate_fn``, ``worker_init_fn``; None is skipped) or their classes come from,
+    ``__main__`` excepted, as it would before the first worker.
+
+    Returns whether a zygote is running now.  Never raises for the zygote's start: a
+    start that fails here (no process or descriptor left) is tried again, and
+    reported, at the first worker's start.
+    """
+    if num_workers <= 0 or not enabled():
+        return False
+    try:
+        method = loader_start_method(context)
+    except (AttributeError, TypeError, ValueError):
+        return False   # torch's own validation of the context reports it
+    if method not in ("spawn", "forkserver"):
+        return False
+    modules = []
+    for obj in objects:
+        if obj is None:
+            continue
+        for m in (getattr(obj, "__module__", None), type(obj).__module__):   # a function's, a class's
+            if isinstance(m, str) and m not in ("__main__", "builtins") and m not in modules:
+                modules.append(m)
+    try:
+        warm(modules)
+    except OSError:
+        return False
+    return zygote_pid() is not None
 
 
 def zygote_pid() -> int | None:

@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import IterableDataset, default_collate, default_convert, get_worker_info
 from torch.utils.data.dataloader import _BaseDataLoaderIter
 
-from . import _bad_samples, _diagnose, _engine, _metrics, _options, _pinning, _steps, _torch_state
+from . import _bad_samples, _diagnose, _engine, _metrics, _options, _pinning, _steps, _torch_state, _zygote
 from ._errors import WorkerTraceback, add_note
 from ._torch_collate import to_tensors, unpack
 from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, PACKED, CapturingFetch, Fetch, WorkerInit
@@ -218,6 +218,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
         self.max_bad_samples, self.bad_sample_log = long_runs.max_bad_samples, long_runs.bad_sample_log
         # checkpoints (issue 11, mploader/_torch_state.py)
         self.snapshot_every_n_steps = _torch_state.check_snapshot_every(snapshot_every_n_steps)
+        # Workers from the zygote (spawn, forkserver): it starts now, so that its imports
+        # overlap the user's set-up before the first iter() (issue 27)
+        _zygote.warm_for_loader(multiprocessing_context, num_workers, (dataset, collate_fn, worker_init_fn))
 
     # ---- iterators ----
 

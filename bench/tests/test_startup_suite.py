@@ -14,11 +14,32 @@ def test_the_table_gives_medians_with_min_max_side_by_side():
     rows = [
         {"loader": "mploader", "method": "spawn", "workers": 8, "runs": 3, "errors": [],
          "cold_first_s": [1.5, 1.0, 2.0], "warm_first_s": [0.2, 0.1, 0.3], "cold_uss_mib": [30, 32, 31],
-         "warm_uss_mib": [30, 30, 30]},
+         "warm_uss_mib": [30, 30, 30], "after_setup_first_s": [0.3, 0.2, 0.4],
+         "after_setup_late_first_s": [0.9, 0.8, 1.0]},
         {"loader": "torch", "method": "spawn", "workers": 8, "runs": 3, "errors": ["boom"],
          "cold_first_s": [20.0, 30.0], "warm_first_s": [], "cold_uss_mib": [1400, 1500], "warm_uss_mib": []},
     ]
-    table = startup.format_table({"dataset_mib": 128, "batch_size": 32, "repeats": 3, "rows": rows})
-    assert "| spawn | 8 | 1.50 (1.00-2.00) / 25.00 (20.00-30.00) | 0.20 (0.10-0.30) | 31 (30-32) / 1450 (1400-1500) |" \
-        in table
+    table = startup.format_table({"dataset_mib": 128, "batch_size": 32, "repeats": 3, "rows": rows, "setup_s": 1})
+    assert ("| spawn | 8 | 1.50 (1.00-2.00) / 25.00 (20.00-30.00) | 0.20 (0.10-0.30) | 0.30 (0.20-0.40) / "
+            "0.90 (0.80-1.00) | 31 (30-32) / 1450 (1400-1500) |") in table
+    assert "after 1 s of the user's set-up" in table
     assert "torch spawn 8: boom" in table
+
+
+def test_epoch_summary_takes_epochs_two_and_later_and_the_steady_state():
+    waits = [[0.5] + [0.001] * 9, [0.04, 0.02, 0.01, 0.01] + [0.002] * 6, [0.03] + [0.003] * 9]
+    summary = startup.epoch_summary(waits)
+    assert summary["first_ms"] == [40.0, 30.0]   # not the first epoch's start-up
+    steady = summary["steady_ms"]
+    assert len(steady) == 3 * (10 - startup.STEADY_FROM) and set(steady) == {1.0, 2.0, 3.0}
+
+
+def test_the_epoch_table_gives_first_batch_and_steady_state_side_by_side():
+    rows = [{"loader": "mploader", "method": "fork", "persistent": True, "first_ms": [40.0, 30.0, 50.0],
+             "steady_ms": [2.0, 1.0, 3.0], "errors": []},
+            {"loader": "gluon", "method": "forkserver", "persistent": True, "first_ms": [], "steady_ms": [],
+             "errors": ["boom"]}]
+    table = startup.format_epoch_table({"repeats": 3, "epoch_rows": rows, "epoch_setting": startup.epoch_setting()})
+    assert "| fork | persistent | mploader.torch | 40.0 (30.0-50.0) | 2.00 (1.00-3.00) | 20.0 |" in table
+    assert "| forkserver | persistent | mploader (Gluon, seed=) | -- | -- | -- |" in table
+    assert "gluon forkserver persistent=True: boom" in table

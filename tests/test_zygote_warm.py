@@ -1,0 +1,98 @@
+"""The zygote starts when a loader whose workers come from it is constructed (issue 27,
+mploader/_zygote.py ``warm_for_loader``): its imports then overlap the user's set-up
+before the first ``iter()``.  Each case runs in a fresh process (the zygote is one per
+process), with a hard timeout."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+DATASET = textwrap.dedent("""
+    import os
+    import torch
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 6
+        def __getitem__(self, i):
+            return torch.tensor([i, os.getppid()])
+""")
+
+SCRIPT = textwrap.dedent("""
+    import json, multiprocessing, sys
+    import psutil
+    import mploader.torch as mt
+    from mploader import _zygote
+    from rowsdata import Rows
+
+    def zygote():
+        pid = _zygote.zygote_pid()
+        if pid is None:
+            return None
+        boot = json.loads(psutil.Process(pid).cmdline()[-1])
+        return {"pid": pid, "preload": boot["preload"]}
+
+    if __name__ == "__main__":
+        case = sys.argv[1]
+        out = {"before": zygote()}
+        if case == "default":
+            # the context left to multiprocessing: read, not fixed (the user may still set it)
+            mt.DataLoader(Rows(), num_workers=2)
+            out["default_fork"] = zygote()
+            multiprocessing.set_start_method("forkserver")
+            loader = mt.DataLoader(Rows(), batch_size=2, num_workers=2)
+        else:
+            mt.DataLoader(Rows(), num_workers=2, multiprocessing_context="fork")
+            mt.DataLoader(Rows(), num_workers=0)
+            out["fork_or_inline"] = zygote()
+            loader = mt.DataLoader(Rows(), batch_size=2, num_workers=2, multiprocessing_context=case)
+        out["constructed"] = zygote()
+        out["batches"] = [b.tolist() for b in loader]
+        out["after"] = zygote()
+        loader.close()
+        print(json.dumps(out))
+""")
+
+
+def run_case(tmp_path, case: str, **env: str) -> dict:
+    (tmp_path / "rowsdata.py").write_text(DATASET)
+    script = tmp_path / "warm.py"
+    script.write_text(SCRIPT)
+    p = subprocess.run([sys.executable, str(script), case], capture_output=True, text=True, timeout=240,
+                       cwd=tmp_path, env=dict(os.environ, **env))
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_the_zygote_starts_with_the_loader_and_preloads_the_datasets_module(tmp_path, method):
+    out = run_case(tmp_path, method)
+    assert out["before"] is None and out["fork_or_inline"] is None   # fork, or no workers: no zygote
+    zygote = out["constructed"]
+    assert zygote is not None and "rowsdata" in zygote["preload"] and "torch" in zygote["preload"]
+    assert out["after"] == zygote   # the workers came from the zygote started at construction
+    assert [row for b in out["batches"] for row in b] == [[i, zygote["pid"]] for i in range(6)]
+
+
+def test_the_default_context_is_read_without_fixing_it(tmp_path):
+    """``multiprocessing_context=None`` under fork (this platform's default before
+    Python 3.14) starts no zygote and leaves ``set_start_method`` to the user."""
+    out = run_case(tmp_path, "default")
+    assert out["before"] is None and out["default_fork"] is None
+    assert out["constructed"] is not None and out["after"] == out["constructed"]
+    assert [row[1] for b in out["batches"] for row in b] == [out["constructed"]["pid"]] * 6
+
+
+def test_no_zygote_at_construction_where_it_is_turned_off(tmp_path):
+    out = run_case(tmp_path, "spawn", MPLOADER_ZYGOTE="0")
+    assert out["constructed"] is None and out["after"] is None
+    assert [row[0] for b in out["batches"] for row in b] == list(range(6))
