@@ -217,6 +217,21 @@ class Dispatch(Receive):
             self._settle(dead)  # (replace_dead may have emptied it already)
         return True
 
+    def staff(self) -> None:
+        """Replace the workers that died owing nothing (:meth:`replace_dead`) and start
+        the missing ones (ids 0..N-1; a retiring worker's id is missing).  A new
+        generation (no worker left) gets the dataset as it is now (``res.transport``,
+        mploader._spec).  The scheduler is the one writer of ``res.workers`` but for the
+        engine's teardown."""
+        self.replace_dead()
+        res = self.res
+        if not res.workers:
+            res.transport.renew()
+        have = {w.wid for w in res.workers if not w.retiring}
+        for wid in range(self.engine.num_workers):
+            if wid not in have:
+                res.workers.append(self.engine.start_worker(wid))
+
     def start_successor(self, w: Channel) -> None:
         """Start the worker that takes ``w``'s id (``w`` retires, or the watchdog gave it
         up): ``w`` is given no task from now on."""
@@ -285,7 +300,7 @@ class Dispatch(Receive):
             return running
         workers = [w for w in self.res.workers if not w.retiring and w.status is None]
         if len(workers) < self.engine.num_workers:
-            self.engine.ensure_workers()
+            self.staff()
             workers = [w for w in self.res.workers if not w.retiring and w.status is None]
         if pinned is not None:
             if not 0 <= pinned < self.engine.num_workers:

@@ -329,8 +329,8 @@ class Engine:
             raise RuntimeError("the loader is closed")
 
     def ensure_workers(self) -> None:
-        """Create the region if needed and start the missing workers (ids 0..N-1);
-        the scheduler calls it when a worker is missing at a dispatch."""
+        """Create the region if needed and have the scheduler start the missing
+        workers (ids 0..N-1: ``Dispatch.staff``)."""
         res = self._res
         if res.region is None:
             reserve = _memory.reserve_bytes()
@@ -344,17 +344,11 @@ class Engine:
             if res.busy is None:
                 res.busy = busy = BusyCells(self.num_workers, passed_fd=self.start_method != "fork")
             self._scheduler.attach(res.region, busy)
-        self._scheduler.replace_dead()
-        if not res.workers:  # a new generation: it gets the dataset as it is now (mploader._spec)
-            res.transport.renew()
-        have = {w.wid for w in res.workers if not w.retiring}
-        for wid in range(self.num_workers):
-            if wid not in have:
-                res.workers.append(self.start_worker(wid))
+        self._scheduler.staff()
 
     def start_worker(self, wid: int) -> Channel:
         """Start worker ``wid`` and return its channel (not yet among the workers: the
-        caller adds it); the scheduler calls it for a retiring or stuck worker's successor."""
+        scheduler, which calls it, adds it)."""
         res = self._res
         region = res.region
         if res.released or region is None:

@@ -41,7 +41,7 @@ class Receive:
     """The scheduler's receiving side and the workers' health (see the module docstring)."""
 
     # The scheduler's state this part reads and writes (set in Scheduler.__init__)
-    engine: Any                  # a weak proxy of the Engine: its options, closing, start_worker, ensure_workers
+    engine: Any                  # a weak proxy of the Engine: its options, closing, start_worker
     res: Any                     # the engine's _Resources: region, workers (channels), busy
     generation: int
     stale: list[Task]

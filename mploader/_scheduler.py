@@ -56,7 +56,7 @@ class Scheduler(Dispatch):
     engine : Engine
         Held through a weak proxy: the engine owns the scheduler and must not be
         kept alive by it.  The scheduler reads its options and ``_closing``, and
-        calls ``start_worker`` / ``ensure_workers`` when a worker is missing.
+        calls ``start_worker`` when a worker is missing (``staff``, ``start_successor``).
     """
 
     def __init__(self, engine: Any) -> None:
@@ -85,7 +85,7 @@ class Scheduler(Dispatch):
         # batches in flight are not yet stale, and each run's inflight deque.
         self.dropped: list[weakref.ref] = []
         self.runs: dict[weakref.ref, collections.deque] = {}
-        self.cancels: set[weakref.ref] = set()   # runs' second references (_cancel_dropped), some dead
+        self.cancels: set[weakref.ref] = set()   # runs' second references (adopt, cancel_dropped), some dead
         self.stats: collections.Counter = collections.Counter()
         self.meter = Meter()         # input-pipeline metrics (_metrics; Run.__next__ times the waits)
         # What the ring's FREE slots hold, and the memory budget's rules (_memory)
