@@ -37,6 +37,14 @@ class _StubScheduler:
     def __init__(self) -> None:
         self.stats: dict = {}
 
+    def adopt(self, run: Any) -> tuple:
+        """What ``Scheduler.adopt`` gives a new run: its meter, counters and weak reference."""
+        self.meter.begin_epoch()  # type: ignore[attr-defined]
+        return self.meter, self.stats, None  # type: ignore[attr-defined]
+
+    def abandon(self, run: Any) -> None:
+        pass
+
 
 class _StubEngine:
     """Enough of an Engine for ``Run.__next__``: the batch is there at once."""
