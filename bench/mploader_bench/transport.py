@@ -602,7 +602,11 @@ def main(argv: Sequence[str] | None = None, *, default_out: str | None = "bench/
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The package's module, not this __main__ copy: the names imported below come from
+    # modules that import mploader_bench.transport themselves.
+    from mploader_bench import transport as _package_module
+
+    sys.exit(_package_module.main())
 
 
 # Split out to keep modules under ~600 lines; imported last (it uses this module's names).
