@@ -287,14 +287,23 @@ class MapProgress:
         self.retry_empty = 0   # iterators to make when the resumed pass is empty (MapState._pulls)
 
     def received(self, batch_index: int | None = None) -> None:
-        """The user received batch ``batch_index`` (None: the next one in order)."""
-        if batch_index is None or batch_index == self.consumed:
-            self.consumed += 1
+        """The user received batch ``batch_index`` (None: the next one in order).
+
+        With a batch index it may be called again for the same batch (the torch face
+        reports a result again when an interrupt cut its bookkeeping): the prefix
+        moves in one store, and indices it passed leave ``ahead`` after it, so an
+        interrupt anywhere leaves a state the second call completes.  ``ahead`` may
+        then hold indices below ``consumed`` until the next call: readers skip them."""
+        consumed = self.consumed
+        if batch_index is None or batch_index == consumed:
             ahead = self.ahead
-            while self.consumed in ahead:
-                ahead.discard(self.consumed)
-                self.consumed += 1
-        elif batch_index > self.consumed:
+            consumed += 1
+            while consumed in ahead:
+                consumed += 1
+            self.consumed = consumed
+            if ahead:
+                ahead.difference_update([i for i in ahead if i < consumed])
+        elif batch_index > consumed:
             self.ahead.add(batch_index)
 
 
@@ -471,7 +480,8 @@ class MapState:
         else:
             if progress.error is not None:
                 raise progress.error
-            epoch, consumed, ahead = progress.epoch, progress.consumed, sorted(progress.ahead)
+            epoch, consumed = progress.epoch, progress.consumed
+            ahead = sorted(i for i in progress.ahead if i >= consumed)
             snaps, position = progress.snaps, progress.position
             mode = snaps.mode if snaps is not None else None
             snap = snaps.at(consumed) if snaps is not None and snaps.mode == PER_BATCH and consumed > position \
