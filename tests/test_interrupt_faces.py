@@ -7,7 +7,7 @@ handler: a profile hook raises SIGINT when a C call made by mploader's own Pytho
 code returns (the ``after_calls + 1``-th such return) after the run's ``__next__``
 returned its n-th batch -- inside the face's own ``__next__`` body, before it
 counted the batch.  Before the fix the torch face and the Chainer face dropped that
-batch (their bodies held it in Python frames): 10 of these 16 cases failed; the
+batch (their bodies held it in Python frames): 10 of the 16 face cases failed; the
 Gluon face (a C ``__next__``) is the control.  Each case runs in its own child
 process with a hard time limit (``test_faults.run_case``).
 """
