@@ -238,9 +238,38 @@ class Dispatch(Receive):
         w.retiring = w.replaced = True
         self.res.workers.append(self.engine.start_worker(w.wid))
 
-    def keep_unsent(self, w: Channel, task: Task, frame: bytes) -> None:
+    def replace_stuck(self, w: Channel) -> None:
+        """The watchdog killed ``w``, stuck on a batch (mploader._watchdog): what it sent
+        before it died counts as delivered; its tasks not yet published are given
+        again, with the same seq and slot, to its successor (started here) or another
+        worker; ``w`` is given up once it owes nothing (:meth:`replace_dead`).
+
+        Not through :meth:`_resend`, which reaps the dead worker blocking: one in
+        uninterruptible sleep (a hard-mounted NFS read) dies only when the kernel lets
+        it, and the parent must not wait for that."""
+        self._pump(w, 0)
+        region = self.res.region
+        items = []
+        for t in list(w.outstanding):
+            if not t.stale and not t.published(region):
+                src = t.source
+                items.append((t, frame_task(t.seq, t.slot, src[0], src[1], src[2])))
+        self.start_successor(w)      # w is never given a task again; its wid is free
+        for t, frame in items:
+            src = t.source
+            target = self._pick_worker(src[3] if len(src) > 3 else None)
+            w.finish(t)
+            if target is None:   # (no live worker for it now: the next dispatch tries again)
+                self._keep_unsent(w, t, frame)
+                continue
+            _steps.hand_over(self, t, target, frame, [(t, frame)])
+        if items:
+            self._send_pending()
+        self.replace_dead()   # gone once it owes nothing (the fast dispatch path counts workers)
+
+    def _keep_unsent(self, w: Channel, task: Task, frame: bytes) -> None:
         """A record of ``w``'s (dead or dying) for :meth:`_resend` to give to another
-        worker (the watchdog's, when no worker can take it now)."""
+        worker (:meth:`replace_stuck`'s, when no worker can take it now)."""
         w.unsent.append((task, frame))
         self.outbox[w] = None
 

@@ -171,11 +171,12 @@ class Receive:
             if w.status is None:
                 continue
             self._pump(w, 0)  # what it sent before dying counts as delivered
-            owed = self._owed(w)
+            owed = self.owed(w)
             if owed is not None and not task.published(region):
                 self._raise_dead(w, owed)
 
-    def _owed(self, w: Channel) -> Task | None:
+    def owed(self, w: Channel) -> Task | None:
+        """The first task ``w`` has not finished (the one it is loading), or None."""
         region = self.res.region
         for t in w.outstanding:
             if not t.stale and not t.published(region):
@@ -185,7 +186,7 @@ class Receive:
     def _raise_dead(self, w: Channel, held: Task | None = None) -> None:
         w.reap(block=True)
         if held is None:
-            held = self._owed(w)
+            held = self.owed(w)
         what = (f"while loading batch {held.seq} (sample indices {held.indices!r})" if held is not None
                 else "while idle")
         status = w.status if w.status is not None else UNKNOWN_STATUS

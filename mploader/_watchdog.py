@@ -15,8 +15,13 @@ What happens to a stuck worker (:meth:`Watchdog.check`):
    logged on the ``"mploader"`` logger at WARNING;
 2. it is SIGKILLed and a replacement with the same worker id is started;
 3. every task it had not finished is given again, with the same seq and slot, to
-   the replacement or another worker (``_steps.hand_over``, as ``Scheduler._resend`` does): the loop sees the same
-   batches in the same order; with per-batch seeding they are bit-identical.
+   the replacement or another worker (the scheduler's ``Dispatch.replace_stuck``):
+   the loop sees the same batches in the same order; with per-batch seeding they
+   are bit-identical.
+
+The watchdog decides and the scheduler acts: it reads the workers and their busy
+cells, and calls the scheduler's public methods (``owed``, ``replace_stuck``);
+tests/test_scheduler_privates.py pins that it touches no private of the scheduler.
 
 A batch that is stuck again more than ``max_retries`` times raises
 :class:`StallError`, which carries every stack taken for it.
@@ -33,11 +38,8 @@ import os
 import signal
 from typing import Any
 
-from . import _steps
-from ._channel import Task
 from ._dispatch import Dispatch as Scheduler  # the scheduler's parts the watchdog calls
 from ._executors import exited
-from ._protocol import frame_task
 from ._stacks import take_stack
 
 __all__ = ["StallError", "Watchdog", "FLOOR_S", "P99_FACTOR", "WARMUP_BATCHES", "WARMUP_FLOOR_S",
@@ -159,12 +161,7 @@ class Watchdog:
             self._replace(sched, w, now - self.watched.pop(w)[0])
 
     def _replace(self, sched: Scheduler, w: Any, busy_s: float) -> None:
-        region = sched.res.region
-        task: Task | None = None
-        for t in w.outstanding:
-            if not t.stale and not t.published(region):
-                task = t
-                break
+        task = sched.owed(w)
         stack = take_stack(w.pid)
         self.stalls += 1
         what = (f"batch {task.seq} (sample indices {task.indices!r:.200})" if task is not None
@@ -190,25 +187,5 @@ class Watchdog:
                 task.seq, task.indices, list(stacks))
         # What it sent before it died counts as delivered; what it had not finished is
         # given again, same seq and slot, the replacement starts now.
-        sched._pump(w, 0)
-        items = []
-        for t in list(w.outstanding):
-            if not t.stale and not t.published(region):
-                src = t.source
-                items.append((t, frame_task(t.seq, t.slot, src[0], src[1], src[2])))
-        sched.start_successor(w)      # w is never given a task again; its wid is free
+        sched.replace_stuck(w)
         self.respawns += 1
-        # Handed over here, not through Scheduler._resend, which reaps the dead worker
-        # blocking: one in uninterruptible sleep (a hard-mounted NFS read) dies only
-        # when the kernel lets it, and the parent must not wait for that.
-        for t, frame in items:
-            src = t.source
-            target = sched._pick_worker(src[3] if len(src) > 3 else None)
-            w.finish(t)
-            if target is None:   # (no live worker for it now: the next dispatch tries again)
-                sched.keep_unsent(w, t, frame)
-                continue
-            _steps.hand_over(sched, t, target, frame, [(t, frame)])
-        if items:
-            sched._send_pending()
-        sched.replace_dead()   # gone once it owes nothing (the fast dispatch path counts workers)
