@@ -221,8 +221,8 @@ class Dispatch(Receive):
         """Replace the workers that died owing nothing (:meth:`replace_dead`) and start
         the missing ones (ids 0..N-1; a retiring worker's id is missing).  A new
         generation (no worker left) gets the dataset as it is now (``res.transport``,
-        mploader._spec).  The scheduler is the one writer of ``res.workers`` but for the
-        engine's teardown."""
+        mploader._spec).  The scheduler is the one writer of ``res.workers``, the
+        engine's teardown included (``Receive.teardown``, ``Receive.drop_in_child``)."""
         self.replace_dead()
         res = self.res
         if not res.workers:

@@ -24,7 +24,7 @@ from typing import Any
 from . import _memory, _ring, _spec
 from ._channel import Channel
 from ._errors import WorkerError
-from ._executors import CLOSE_GRACE_S, START_METHODS, InlineRun, ThreadRun, start_worker, stop_workers
+from ._executors import CLOSE_GRACE_S, START_METHODS, InlineRun, ThreadRun, start_worker
 from ._metrics import BusyCells
 from ._scheduler import Run, Scheduler
 from ._worker import WorkerSpec
@@ -57,6 +57,10 @@ class _Resources:
     another loader, or any ``os.fork()`` of the training process) the finalizer only
     lets go of this process's copies of the descriptors -- it never stops the
     parent's workers (issue: a child's ``sys.exit()`` used to SIGKILL them).
+
+    ``workers`` is the scheduler's (its one writer): the release and the fork path
+    ask the scheduler, which the finalizer is handed with this object
+    (``Receive.teardown``, ``Receive.drop_in_child``).
     """
 
     def __init__(self) -> None:
@@ -67,14 +71,12 @@ class _Resources:
         self.owner_pid = os.getpid()
         self.released = False   # release() has begun (close(), or the finalizer: gc or interpreter exit)
 
-    def release(self, grace_s: float = CLOSE_GRACE_S) -> None:
+    def release(self, scheduler: Scheduler, grace_s: float = CLOSE_GRACE_S) -> None:
         self.released = True   # first: a next() in another thread that fails from here on knows why
-        workers, self.workers = self.workers, []
         if os.getpid() != self.owner_pid:
-            for w in workers:
-                w.close_fds()
+            scheduler.drop_in_child(forget=True)
             return
-        stop_workers(workers, grace_s)
+        scheduler.teardown(grace_s)
         if self.busy is not None:
             self.busy.close()
         self.transport.close()
@@ -84,11 +86,9 @@ class _Resources:
             self.region.close()
             self.region = None
 
-    def drop_in_child(self) -> None:
+    def drop_in_child(self, scheduler: Scheduler) -> None:
         """In a forked worker: let go of this (other) loader's descriptors and mapping."""
-        for w in self.workers:
-            w.close_fds()
-        self.workers = []
+        scheduler.drop_in_child(forget=True)
         if self.busy is not None:
             self.busy.forget()
             self.busy = None
@@ -98,16 +98,15 @@ class _Resources:
             self.region = None
 
 
-_LIVE: weakref.WeakSet[_Resources] = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 def _drop_all_in_child(keep: _Resources) -> None:
-    for res in list(_LIVE):
-        if res is keep:
-            for w in res.workers:
-                w.close_fds()
+    for engine in list(_LIVE):
+        if engine._res is keep:
+            engine._scheduler.drop_in_child(forget=False)
         else:
-            res.drop_in_child()
+            engine._res.drop_in_child(engine._scheduler)
 
 
 class Engine:
@@ -240,13 +239,15 @@ class Engine:
         self.spec = WorkerSpec(dataset, fetch, seed, reseed_per_batch, worker_init, num_workers, on_error)
         self._res = _Resources()
         self._owner_pid = self._res.owner_pid
-        self._finalizer = weakref.finalize(self, _Resources.release, self._res)
-        _LIVE.add(self._res)
         self._lock = threading.RLock()
         self._closing = False
         self._closed = False
         self._current: Callable[[], Run | None] = lambda: None
         self._scheduler = Scheduler(self)
+        # The finalizer holds the scheduler (which holds this engine only through a
+        # weak proxy): the workers are the scheduler's to stop (Receive.teardown).
+        self._finalizer = weakref.finalize(self, _Resources.release, self._res, self._scheduler)
+        _LIVE.add(self)
 
     # ---- lifecycle ----
 
@@ -296,7 +297,7 @@ class Engine:
             self.spec = dataclasses.replace(self.spec, seed=seed)
 
     def worker_pids(self) -> list[int]:
-        return [w.pid for w in self._res.workers if w.status is None]
+        return self._scheduler.worker_pids()
 
     def stats(self) -> dict:
         """Counters: batches, slot (fast path), fallback_inband, fallback_pipe, no_free_slot,

@@ -278,6 +278,29 @@ class Receive:
             w.forget_records()
         self.outbox.clear()
 
+    def teardown(self, grace_s: float) -> None:
+        """The engine's release (``close()``, or its ``weakref.finalize``: garbage
+        collection, interpreter exit): every worker is asked to exit, given ``grace_s``
+        seconds (then SIGKILL), and given up.  Not :meth:`reset`: the finalizer runs
+        without the engine's lock (at interpreter exit another thread may be in
+        ``next()``), so this touches the list of workers and their processes only,
+        not the tasks, slots and records the batch loop works on."""
+        res = self.res
+        workers, res.workers = res.workers, []
+        stop_workers(workers, grace_s)
+
+    def drop_in_child(self, forget: bool) -> None:
+        """In a forked child of the process that started the workers (a worker of this
+        loader or of another, any ``os.fork()``): close this process's copies of the
+        workers' descriptors -- the parent's workers go on; with ``forget`` the
+        workers are given up here too (another loader's, or this one's teardown in
+        the child)."""
+        res = self.res
+        for w in res.workers:
+            w.close_fds()
+        if forget:
+            res.workers = []
+
     def _reap_stale(self) -> None:
         """Free the slots of batches nobody will consume (an abandoned iteration).
         Each task is dropped in one C call (``_steps.drop_stale``: E4, its pipe message

@@ -271,6 +271,10 @@ class Scheduler(Dispatch):
 
     # ---- what the engine asks ----
 
+    def worker_pids(self) -> list[int]:
+        """The PIDs of the workers that are running (not yet seen exited), in start order."""
+        return [w.pid for w in self.res.workers if w.status is None]
+
     def memory_stats(self) -> dict[str, int]:
         """``memory_budget_bytes`` (this process's rings together) and
         ``memory_held_bytes`` (this ring's slots, as the parent last saw them)."""
@@ -328,7 +332,7 @@ class Scheduler(Dispatch):
         ready, held = self._occupancy(run)
         return Snapshot(counts={k: counts.get(k, 0) for k in COUNTER_KEYS}, num_workers=engine.num_workers,
                         forked=engine.start_method == "fork",
-                        worker_pids=[w.pid for w in self.res.workers if w.status is None],
+                        worker_pids=self.worker_pids(),
                         ready_batches=ready, held_slots=held)
 
     def _occupancy(self, run: Run | None) -> tuple[int, int]:
