@@ -9,6 +9,9 @@
  * included, must be byte for byte what memcpy makes of an identical buffer (the
  * fast path and the fallback give the same bits; nothing outside [dst, dst + n) is
  * written).
+ * copy at the mapping's end: copies that end at the last mapped page, with unmapped
+ * pages after it, where the copy's destination prefetches (two pages ahead) point;
+ * no fault, memcpy's bytes.
  * dofork: a MAP_SHARED range marked MADV_DONTFORK, then mpl_madvise_dofork: a
  * forked child reads and writes it (without the call the child would fault), and
  * the parent sees the child's write; the documented failures: an address that is
@@ -93,6 +96,48 @@ static long test_copy(void)
     return copies;
 }
 
+/* A copy that ends where the mapping ends, with unmapped pages after it: the copy's
+ * prefetches two pages ahead of its stores point there, and must not fault (a
+ * prefetch never does).  Several destination offsets within the first page (64-byte
+ * aligned, 16-byte aligned, unaligned), so that the once-per-page prefetch fires at
+ * a page's first line for each; the bytes must be memcpy's. */
+static long test_copy_at_mapping_end(void)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    size_t span = 3 * (size_t)page; /* the mapped pages; 3 more after them are not */
+    char *p = mmap(NULL, 2 * span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) {
+        fprintf(stderr, "test_memops FAIL: mmap: %s\n", strerror(errno));
+        exit(1);
+    }
+    CHECK(munmap(p + span, span) == 0, "munmap: %s", strerror(errno));
+    char *src = malloc(span);
+    if (!src) {
+        fprintf(stderr, "test_memops FAIL: out of memory\n");
+        exit(1);
+    }
+    for (size_t k = 0; k < span; k++)
+        src[k] = (char)(k * 7 + 3);
+    static const size_t offsets[] = {0, 48, 64, 5, 4032};
+    long copies = 0;
+    for (size_t oi = 0; oi < sizeof offsets / sizeof offsets[0]; oi++) {
+        size_t off = offsets[oi], n = span - off;
+        memset(p, 0, span);
+        mpl_stream_copy(p + off, src, n);
+        mpl_stream_fence();
+        CHECK(memcmp(p + off, src, n) == 0, "a copy to the mapping's end at offset %zu: bytes differ", off);
+        for (size_t k = 0; k < off; k++)
+            if (p[k] != 0) {
+                CHECK(0, "a copy at offset %zu wrote byte %zu before it", off, k);
+                break;
+            }
+        copies++;
+    }
+    free(src);
+    munmap(p, span);
+    return copies;
+}
+
 static void test_dofork(void)
 {
     long page = sysconf(_SC_PAGESIZE);
@@ -135,6 +180,7 @@ static void test_dofork(void)
 int main(void)
 {
     long copies = test_copy();
+    copies += test_copy_at_mapping_end();
     test_dofork();
     if (failures) {
         fprintf(stderr, "test_memops: %d failure(s)\n", failures);
