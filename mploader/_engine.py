@@ -243,7 +243,7 @@ class Engine:
         self._closing = False
         self._closed = False
         self._current: Callable[[], Run | None] = lambda: None
-        self._scheduler = Scheduler(self)
+        self._scheduler = Scheduler(self, self._res, self._lock)
         # The finalizer holds the scheduler (which holds this engine only through a
         # weak proxy): the workers are the scheduler's to stop (Receive.teardown).
         self._finalizer = weakref.finalize(self, _Resources.release, self._res, self._scheduler)

@@ -55,15 +55,20 @@ class Scheduler(Dispatch):
     ----------
     engine : Engine
         Held through a weak proxy: the engine owns the scheduler and must not be
-        kept alive by it.  The scheduler reads its options and ``_closing``, and
+        kept alive by it.  The scheduler reads its options and ``closing``, and
         calls ``start_worker`` when a worker is missing (``staff``, ``start_successor``).
+    res : _Resources
+        The engine's region, busy cells and transport, and the list of workers,
+        which the scheduler writes (mploader._engine._Resources).
+    lock : threading.RLock
+        The engine's lock, under which every entry point runs.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, res: Any, lock: Any) -> None:
         # A proxy: the engine owns the scheduler, and must not be kept alive by it
         # (dropping the loader stops the workers without waiting for the cyclic GC).
         self.engine = weakref.proxy(engine)
-        self.res = engine._res
+        self.res = res
         self.seq = 0
         self.slot_hint = 0
         self.generation = 0          # bumped when all workers are killed after a failure
@@ -89,7 +94,7 @@ class Scheduler(Dispatch):
         self.stats: collections.Counter = collections.Counter()
         self.meter = Meter()         # input-pipeline metrics (_metrics; Run.__next__ times the waits)
         # What the ring's FREE slots hold, and the memory budget's rules (_memory)
-        self.memory = _memory.RingMemory(engine.num_slots, engine.on_grow is not None, engine._lock, engine._res,
+        self.memory = _memory.RingMemory(engine.num_slots, engine.on_grow is not None, lock, res,
                                          engine.shared_mem or 0)
         # Stuck workers replaced while the parent waits (_watchdog; None: off)
         self.watchdog = (_watchdog.Watchdog(engine.stall_timeout, engine.max_retries)

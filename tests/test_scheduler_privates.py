@@ -94,6 +94,22 @@ def test_no_scheduler_private_that_another_class_shares_is_reached_through_a_sch
     assert [f for f in reaches_in(outside, shared) if "sched" in f.split(": ", 1)[1].rsplit(".", 1)[0]] == []
 
 
+def test_the_scheduler_and_the_watchdog_reach_no_private_of_the_engine():
+    """The engine hands the scheduler what it needs (``Scheduler(engine, res, lock)``)
+    and the scheduler calls the engine's public methods (``closing``,
+    ``start_worker``).  Known and left: a ``Run`` asks its engine for the next batch
+    through ``engine._next_batch`` (the engine's lock and fork check) and reaches
+    ``engine._scheduler`` (bench/metrics_cost.py builds runs over a stub engine of
+    that shape)."""
+    trees = _trees()
+    engine_names = private_names({"_engine": trees["_engine"]})
+    assert {"_res", "_lock", "_scheduler", "_next_batch"} <= engine_names
+    known = {"_run: engine._scheduler", "_run: self._engine._next_batch", "_run: self._engine._scheduler"}
+    found = {f"{f.split(':', 1)[0]}: {f.split(': ', 1)[1]}"   # (module: expression, without the line)
+             for f in reaches_in({m: trees[m] for m in (*SCHEDULER, "_watchdog")}, engine_names)}
+    assert sorted(f for f in found - known if "engine" in f.split(": ", 1)[1].rsplit(".", 1)[0]) == []
+
+
 def test_the_scan_finds_the_watchdogs_old_calls():
     """The calls the watchdog made until issue 21 s1 (``sched._pump(w, 0)``,
     ``sched._pick_worker(...)``, ``sched._send_pending()``) are found; a module's own
