@@ -119,13 +119,15 @@ class ZygoteChild:
 
 
 class _Zygote:
-    """This process's zygote (None until started; a forked child starts its own)."""
+    """This process's zygote (None until started; a forked child starts its own).
+    ``inside``: this process is a zygote, or a worker it forked."""
 
     pid = -1
     proc: subprocess.Popen | None = None
     sock: socket.socket | None = None
     lock = threading.Lock()
     seq = 0                     # the number of the last request
+    inside = False
 
 
 def _after_fork_in_child() -> None:
@@ -237,7 +239,9 @@ def warm_for_loader(context: Any, num_workers: int, objects: Iterable[Any] = ())
     start that fails here (no process or descriptor left) is tried again, and
     reported, at the first worker's start.
     """
-    if num_workers <= 0 or not enabled():
+    if num_workers <= 0 or not enabled() or _Zygote.inside:
+        # (inside a zygote: a module it preloads that builds a loader at import must
+        # not start a zygote of the zygote, and so on)
         return False
     try:
         method = loader_start_method(context)
@@ -380,6 +384,7 @@ def _ask(message: bytes, fds: list[int]) -> bytes:
 def main(args: dict) -> None:
     """The zygote's main loop (runs in the process :func:`_start` made)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _Zygote.inside = True   # before the preloads (warm_for_loader); its workers inherit it
     parent = int(args["parent"])
     sock = socket.socket(fileno=int(args["fd"]))
     for mod in ["numpy", "mploader._worker", "mploader._spec", "cloudpickle", *args["preload"]]:

@@ -96,3 +96,46 @@ def test_no_zygote_at_construction_where_it_is_turned_off(tmp_path):
     out = run_case(tmp_path, "spawn", MPLOADER_ZYGOTE="0")
     assert out["constructed"] is None and out["after"] is None
     assert [row[0] for b in out["batches"] for row in b] == list(range(6))
+
+
+NOTEBOOK_MODULE = textwrap.dedent("""
+    import torch
+    import mploader.torch as mt
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 4
+        def __getitem__(self, i):
+            return i
+
+    # a module that also builds a loader when it is imported (notebook style)
+    LOADER = mt.DataLoader(Rows(), batch_size=2, num_workers=1, multiprocessing_context="spawn")
+""")
+
+NOTEBOOK_SCRIPT = textwrap.dedent("""
+    import json
+    import psutil
+    import mploader.torch as mt
+    import notebookish
+
+    loader = mt.DataLoader(notebookish.Rows(), batch_size=2, num_workers=1, multiprocessing_context="spawn")
+    batches = [b.tolist() for b in loader]   # the zygote has served a request: its preloads are done
+    zygotes = [p.pid for p in psutil.Process().children(recursive=True)
+               if any("mploader._zygote import main" in a for a in p.cmdline())]
+    loader.close()
+    print(json.dumps({"batches": batches, "zygotes": len(zygotes)}))
+""")
+
+
+def test_a_module_that_builds_a_loader_when_imported_starts_no_zygote_in_the_zygote(tmp_path):
+    """The zygote preloads the dataset's module; a module that builds a spawn loader at
+    import did so inside the zygote, which started a zygote of its own, which
+    preloaded the module again: a chain of zygotes, one torch import each (3 after
+    3 s before the fix)."""
+    (tmp_path / "notebookish.py").write_text(NOTEBOOK_MODULE)
+    script = tmp_path / "nb.py"
+    script.write_text(NOTEBOOK_SCRIPT)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out == {"batches": [[0, 1], [2, 3]], "zygotes": 1}
