@@ -19,6 +19,8 @@ from cpython.bytes cimport PyBytes_AS_STRING
 
 from mploader._protocol cimport write_loop
 
+from mploader._errors import WorkerTraceback
+
 
 cdef inline _buffer(dict outbox, worker, task, bytes frame):
     """Queue ``frame`` (``task``'s record; None: a RETIRE) on ``worker``'s channel
@@ -188,16 +190,32 @@ def drop_stale(task, pipe_seqs):
     del (<list>task.box)[:]
 
 
+cdef _count(progress):
+    """``progress.received()`` (mploader._state.MapProgress) for the next batch in
+    order, in C: the prefix ``consumed`` moves past it and past the batches of
+    ``ahead`` that follow it (received before a checkpoint with ``in_order=False``),
+    in one store; indices it passed stay in ``ahead`` (readers skip them)."""
+    consumed = progress.consumed + 1
+    ahead = progress.ahead
+    if ahead:
+        while consumed in ahead:
+            consumed += 1
+    progress.consumed = consumed
+
+
 def serial_next(it):
     """A face iterator's ``__next__``: the next batch of ``it._gen`` (a
     :class:`~mploader._run.Run`, an in-process run, or the face's own body) with
     ``it._lock`` held (threads sharing the iterator get each batch once, in order),
-    counted in ``it._progress.consumed`` (when not None); an exception goes to
-    ``it._ended(exc)`` first, then propagates.  Written here, not in Python: from the
-    run's ``__next__`` to the caller the batch passes through C only.  CPython runs
-    pending signal handlers when a call returns into Python code (3.10: every call,
-    and every jump; 3.11+: calls of C functions, such as a ``with``'s ``__exit__``),
-    and one raising there dropped the batch on its way out.
+    counted in ``it._progress`` (when not None: :func:`_count`).  A batch's own exception
+    (its ``__cause__`` a :class:`~mploader._errors.WorkerTraceback`: the dataset's
+    or collation's, which used up its batch) is counted there too; any other
+    exception goes to ``it._ended(exc)`` first.  Then it propagates.  Written here,
+    not in Python: from the run's ``__next__`` to the caller the batch, or the
+    exception, passes through C only.  CPython runs pending signal handlers when a
+    call returns into Python code (3.10: every call, and every jump; 3.11+: calls of
+    C functions, such as a ``with``'s ``__exit__``), and one raising there dropped
+    the batch on its way out (or, in ``_ended``, a batch's exception and its count).
 
     A face whose body is Python code (the torch and Chainer faces) takes each record
     from its run with :func:`take` into its box ``it._held`` (a list) and makes the
@@ -208,14 +226,18 @@ def serial_next(it):
         try:
             batch = next(it._gen)
         except BaseException as exc:
-            it._ended(exc)
+            progress = it._progress
+            if progress is not None and isinstance(exc.__cause__, WorkerTraceback):
+                _count(progress)   # (the Gluon face: the torch and Chainer bodies count theirs)
+            else:
+                it._ended(exc)
             raise
         held = getattr(it, "_held", None)
         if held is not None:
             del (<list>held)[:]
         progress = it._progress
         if progress is not None:
-            progress.consumed += 1
+            _count(progress)
         return batch
 
 

@@ -9,7 +9,6 @@ from typing import Any
 
 from . import _bad_samples, _diagnose, _engine, _metrics, _pinning, _state, _steps
 from ._collate import Alloc, collate_gluon
-from ._errors import is_batch_error
 from ._executors import START_METHODS
 from ._face import Face
 from ._options import LoaderOptions, check_callable, check_choice, check_dataset, check_int
@@ -427,15 +426,16 @@ class _LoaderIter:
     __next__ = _steps.serial_next
 
     def _ended(self, exc: BaseException) -> None:
-        """``serial_next``'s hook: the run raised ``exc`` (before it propagates)."""
-        progress = self._progress
+        """``serial_next``'s hook: the run raised ``exc`` (before it propagates), not a
+        batch's own exception (``serial_next`` counts that one in the progress, in C:
+        an interrupt here would have lost it and its count).  Idempotent: after an
+        interrupt here the next ``next()`` raises StopIteration again and comes back."""
         if isinstance(exc, StopIteration):
+            progress = self._progress
             if progress is not None:
                 progress.finished = True
             if self._own_engine is not None:
                 self._own_engine.close()
-        elif progress is not None and is_batch_error(exc):
-            progress.received()   # the dataset's exception used up its batch
 
     next = __next__
 
