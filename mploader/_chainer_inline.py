@@ -84,8 +84,8 @@ class InlineLoader:
 class InlineRun:
     """``n_processes=0``: load each batch in this process when asked for.
 
-    Yields ``(-1, -1, value, failed)`` per task, as a tagged engine run (no worker,
-    no batch index): the batch, or with ``failed`` the exception the dataset raised,
+    Yields ``(-1, -1, value, failed, None)`` per task, as a tagged engine run (no
+    worker, no batch index, no side record): the batch, or with ``failed`` the exception the dataset raised,
     which used up the task; an interruption (KeyboardInterrupt) propagates and leaves
     the batch owed.  With a ``dataset_timeout``, the iterator's :class:`InlineLoader`
     thread loads the batch while this one watches the clock (as Chainer does for its
@@ -102,14 +102,14 @@ class InlineRun:
     def __iter__(self) -> InlineRun:
         return self
 
-    def __next__(self) -> tuple[int, int, Any, bool]:
+    def __next__(self) -> tuple[int, int, Any, bool, None]:
         if self._timeout_s is None or self._loader is None:
             try:
-                return (-1, -1, next(self._inline), False)
+                return (-1, -1, next(self._inline), False, None)
             except StopIteration:
                 raise
             except Exception as exc:  # noqa: BLE001 - the dataset's: it used up its batch
-                return (-1, -1, exc, True)
+                return (-1, -1, exc, True, None)
         future = self._loader.submit(self._inline.__next__)
         done, _ = concurrent.futures.wait([future], self._timeout_s)
         if not done:
@@ -117,6 +117,6 @@ class InlineRun:
         error = future.exception()
         if error is not None:
             if isinstance(error, Exception) and not isinstance(error, StopIteration):
-                return (-1, -1, error, True)
+                return (-1, -1, error, True, None)
             raise error
-        return (-1, -1, future.result(), False)
+        return (-1, -1, future.result(), False, None)

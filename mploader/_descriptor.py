@@ -38,6 +38,7 @@ from __future__ import annotations
 import io
 import itertools
 import pickle
+import struct
 from typing import Any
 
 import numpy as np
@@ -45,9 +46,11 @@ import numpy as np
 from . import _ring
 from . import _structure as S
 from ._inband import CorruptDescriptor, InbandPickler, simple_dtype
+from ._protocol import PIPE_HEADER
 from ._sizing import HEADROOM, shrink, sizing_for
 
-__all__ = ["ALIGN", "CorruptDescriptor", "SlotWriter", "Structures", "decode"]
+__all__ = ["ALIGN", "PIPE_SIDE", "CorruptDescriptor", "SlotWriter", "Structures", "decode", "pipe_message",
+           "pipe_side"]
 
 #: Alignment of every array (and of the descriptor) in a slot payload, bytes.
 ALIGN = 64
@@ -97,8 +100,8 @@ class SlotWriter:
     or shrunk when it holds far more than the typical batch (after an outlier).
     """
 
-    __slots__ = ("base", "capacity", "described", "flags", "handed", "keep_descriptor", "mv", "region", "sizing",
-                 "slot", "structures", "used")
+    __slots__ = ("base", "capacity", "described", "flags", "handed", "keep_descriptor", "mv", "region", "side",
+                 "sizing", "slot", "structures", "used")
 
     def __init__(self, region: _ring.Region, slot: int, seq: int, structures: Structures | None = None) -> None:
         self.region = region
@@ -114,6 +117,10 @@ class SlotWriter:
         #: published, taken before publication (mploader._plan learns from them).
         self.keep_descriptor = False
         self.described: tuple[int, int, bytes] | None = None
+        #: The batch's side record (mploader._face.Face.side), set before ``finish`` or
+        #: ``publish_plan``: written after the descriptor, inside ``used`` (a KIND_SLOT
+        #: batch only), where :func:`side_record` finds it.
+        self.side: bytes | None = None
         capacity = region.begin(slot, seq)
         self.sizing = sizing = sizing_for(region)
         target = sizing.target_bytes()
@@ -160,7 +167,8 @@ class SlotWriter:
         var_len = sum(map(len, var)) if var else 0
         desc_off = (enc.end + ALIGN - 1) & ~(ALIGN - 1)
         desc_len = layout.whole.size + var_len
-        total = desc_off + desc_len
+        side = self.side if kind == _ring.KIND_SLOT else None
+        total = desc_off + desc_len + (len(side) if side else 0)
         if total > self.capacity:
             need = int(total * HEADROOM)
             if not self.region.grow(self.slot, need, self.used):
@@ -181,19 +189,30 @@ class SlotWriter:
             n = len(b)
             mv[p:p + n] = b
             p += n
+        if side:
+            mv[p:total] = side
         if kind == _ring.KIND_SLOT and self.keep_descriptor:
             # Copied before E2: once published, the slot may be taken, freed and
             # rewritten by another worker before this one reads it again.
-            self.described = (desc_off, enc.flags, bytes(mv[desc_off:total]))
+            self.described = (desc_off, enc.flags, bytes(mv[desc_off:desc_off + desc_len]))
         self.region.publish(self.slot, kind, self.flags | enc.flags, total, desc_off, desc_len)
         self.sizing.note(total)
         return None
 
-    def publish_plan(self, plan: Any) -> None:
+    def publish_plan(self, plan: Any) -> bool:
         """Publish the batch that ``plan`` (a :class:`mploader._columns.BatchPlan`) has just
-        written into this slot with ``plan.fill``."""
-        self.region.publish(self.slot, _ring.KIND_SLOT, self.flags, plan.total, plan.desc_off, len(plan.descriptor))
-        self.sizing.note(plan.total)
+        written into this slot with ``plan.fill``, with the side record after it; False
+        (nothing published) when that does not fit the slot."""
+        total, side = plan.total, self.side
+        if side:
+            end = total + len(side)
+            if end > self.capacity or self.mv is None:
+                return False
+            self.mv[total:end] = side
+            total = end
+        self.region.publish(self.slot, _ring.KIND_SLOT, self.flags, total, plan.desc_off, len(plan.descriptor))
+        self.sizing.note(total)
+        return True
 
 
 class Structures:
@@ -202,7 +221,7 @@ class Structures:
 
     ``layouts``: structure signature (the walk of :meth:`SlotWriter.finish`) -> its
     descriptor encoding (:class:`mploader._structure.Layout`), at most
-    ``CACHE_ENTRIES`` (all dropped when full).  ``plans``: (batch size, tail length)
+    ``CACHE_ENTRIES`` (all dropped when full).  ``plans``: batch size
     -> the batch plan learnt from a published batch of one structure
     (:class:`mploader._plan.Plan`, kept by :class:`mploader._plan.Planner`), at most
     ``max_plans`` (all dropped when full).  The worker loop makes one per worker and
@@ -212,7 +231,7 @@ class Structures:
 
     def __init__(self, max_plans: int, layouts: dict | None = None) -> None:
         self.layouts: dict[tuple, S.Layout] = {} if layouts is None else layouts
-        self.plans: dict[tuple, Any] = {}
+        self.plans: dict[int, Any] = {}
         self.max_plans = max_plans
 
     def layout(self, sig: tuple) -> S.Layout:
@@ -225,12 +244,43 @@ class Structures:
             self.layouts[sig] = layout
         return layout
 
-    def keep_plan(self, key: tuple, plan: Any) -> None:
+    def keep_plan(self, key: int, plan: Any) -> None:
         """Keep ``plan`` for the batches of ``key`` (replacing the one there); the
         dict ``plans`` is only ever changed in place (a planner holds it)."""
         if len(self.plans) >= self.max_plans and key not in self.plans:
             self.plans.clear()
         self.plans[key] = plan
+
+
+#: The flag a pipe message's kind carries when a side record ends the message
+#: (:func:`pipe_message`); no kind has it.
+PIPE_SIDE = 0x10000
+_SIDE_LEN = struct.Struct("<I")
+
+
+def pipe_message(seq: int, kind: int, data: bytes, side: bytes | None) -> bytes:
+    """A batch's message on the worker's pipe: the header, ``data`` (the pickle), and
+    when ``side`` is given, the side record and its length after it (the header's
+    kind then carries :data:`PIPE_SIDE`)."""
+    if side is None:
+        return PIPE_HEADER.pack(seq, kind) + data
+    return PIPE_HEADER.pack(seq, kind | PIPE_SIDE) + data + side + _SIDE_LEN.pack(len(side))
+
+
+def pipe_side(msg: Any) -> tuple[memoryview, bytes | None]:
+    """The pickle and the side record (None: none) of a :func:`pipe_message` whose
+    header's kind carries :data:`PIPE_SIDE`."""
+    mv = memoryview(msg)
+    n = _SIDE_LEN.unpack_from(mv, len(mv) - _SIDE_LEN.size)[0]
+    end = len(mv) - _SIDE_LEN.size - n
+    return mv[PIPE_HEADER.size:end], bytes(mv[end:end + n])
+
+
+def side_record(lease: Any) -> bytes | None:
+    """The side record of a leased KIND_SLOT batch: its bytes after the descriptor,
+    up to ``nbytes`` (None when there are none)."""
+    end = lease.desc_off + lease.desc_len
+    return bytes(memoryview(lease)[end:lease.nbytes]) if lease.nbytes > end else None
 
 
 #: This process's structure encodings, for writers made without a loop's cache (tests, benchmarks).

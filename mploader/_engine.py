@@ -368,9 +368,10 @@ class Engine:
     def run(self, tasks: Iterable[tuple], in_order: bool = True, tagged: bool = False) -> Run:
         """An iterator over the batch of each task, ``prefetch`` in flight; in task
         order, or in completion order with ``in_order=False``.  ``tagged``: each item
-        is ``(worker_id, batch_index, value, failed)`` -- the worker that built the
-        batch and the task's batch index, as the scheduler holds them; ``value`` is the
-        batch, or with ``failed`` the exception ``next()`` would have raised.
+        is ``(worker_id, batch_index, value, failed, side)`` -- the worker that built
+        the batch and the task's batch index, as the scheduler holds them; ``value`` is
+        the batch, or with ``failed`` the exception ``next()`` would have raised;
+        ``side`` the batch's side record (``bytes`` or None: mploader._face.Face.side).
 
         Starting a run supersedes the previous one: its batches in flight are
         discarded (their slots freed as they complete) and its ``next()`` raises

@@ -12,7 +12,9 @@ call into the steps the loop runs itself (docs/faces.md, "The worker contract"):
    batch without steps 3-4;
 3. ``collated = face.collate(samples, alloc)`` -- every array written through
    ``alloc`` (an array in the slot in a worker, ``np.empty`` in-process);
-4. ``batch = face.wrap(collated, face.tail())`` -- the object the parent receives.
+4. ``batch = face.wrap(collated)`` -- the object the parent receives; beside it,
+   ``face.side()`` -- bytes the parent receives in the batch's tagged record, not
+   in the batch (the torch face's RNG states: a per-slot side record).
 
 The loop owns the plans, the slot writer and the publication: a face never sees
 them.  ``Face.__call__`` is the same four steps without a plan, for the in-process
@@ -63,20 +65,22 @@ class Face:
         write it instead.  Default: False."""
         return False
 
-    def tail(self) -> bytes | None:
-        """Bytes that change from batch to batch and end the batch's descriptor (the
-        torch face's RNG states), taken before a plannable batch is collated and
-        after any other; None (the default) for none."""
+    def side(self) -> bytes | None:
+        """Bytes that travel beside the batch, not in it (the torch face's RNG states):
+        the worker loop writes them after the batch's descriptor in the slot (or after
+        the pickle on the pipe) and a tagged run hands them over as the record's last
+        item (docs/design.md, "Checkpoint state").  Taken before a plannable batch is
+        collated and after any other; None (the default) for none.  A face that does
+        not override this costs the loop nothing per batch."""
         return None
 
-    def wrap(self, collated: Any, tail: bytes | None) -> Any:
-        """The batch the parent receives, made of the collated object and the
-        :meth:`tail`; a plannable batch's ``collated`` must be where the plan finds
-        its columns.  Default: ``collated`` itself."""
+    def wrap(self, collated: Any) -> Any:
+        """The batch the parent receives, made of the collated object; a plannable
+        batch's ``collated`` must be where the plan finds its columns.  Default:
+        ``collated`` itself."""
         return collated
 
     def __call__(self, dataset: Any, indices: Any, alloc: Alloc) -> Any:
         """``fetch(dataset, indices, alloc)``: the four steps without a plan (the
-        in-process executors)."""
-        collated = self.collate(self.load(dataset, indices), alloc)
-        return self.wrap(collated, self.tail())
+        in-process executors; no :meth:`side`)."""
+        return self.wrap(self.collate(self.load(dataset, indices), alloc))

@@ -37,8 +37,8 @@ __all__ = ["Plan", "Planner", "make_plan"]
 #: Plans learnt in a row without one batch published by a plan, after which a
 #: worker stops learning (a structure that changes with every batch).
 MAX_UNUSED_PLANS = 8
-#: Plans kept per worker (one per batch size -- the last batch of an epoch is often
-#: shorter -- and tail length: the torch face's batches with and without RNG states).
+#: Plans kept per worker (one per batch size: the last batch of an epoch is often
+#: shorter).
 MAX_PLANS = 8
 
 _SCALAR_TYPES = (np.number, np.bool_)
@@ -88,41 +88,33 @@ OtherColumn = Callable[[Any, np.ndarray, int], Callable[[list, np.ndarray], bool
 
 
 class Plan:
-    """A :class:`mploader._columns.BatchPlan`, the columns a face fills itself, and the
-    length of the descriptor's tail: the bytes of one ``bytes`` leaf that change
-    with every batch (the torch face's RNG states), the last of the descriptor."""
+    """A :class:`mploader._columns.BatchPlan` and the columns a face fills itself."""
 
-    __slots__ = ("batch_size", "columns", "core", "in_tuple", "tail", "total")
+    __slots__ = ("batch_size", "columns", "core", "in_tuple", "total")
 
-    def __init__(self, core: Any, in_tuple: bool, columns: list[tuple], tail: int = 0) -> None:
-        self.core, self.in_tuple, self.columns, self.tail = core, in_tuple, columns, tail
+    def __init__(self, core: Any, in_tuple: bool, columns: list[tuple]) -> None:
+        self.core, self.in_tuple, self.columns = core, in_tuple, columns
         self.batch_size, self.total = core.batch_size, core.total
 
-    def fill(self, samples: list, writer: Any, tail: bytes | None = None) -> bool:
-        """Write ``samples`` and the descriptor (ending with ``tail``, whose length is
-        the plan's) into ``writer``'s slot (True), or decline (False; what was written
-        is garbage the generic path overwrites)."""
+    def fill(self, samples: list, writer: Any) -> bool:
+        """Write ``samples`` and the descriptor into ``writer``'s slot (True), or
+        decline (False; what was written is garbage the generic path overwrites)."""
         if not self.core.fill(samples, writer.base, writer.capacity):
             return False
         for j, fill, shape, dtype, offset in self.columns:
             leaves = [s[j] for s in samples] if self.in_tuple else samples
             if not fill(leaves, np.ndarray(shape, dtype, writer.mv, offset)):
                 return False
-        if tail:
-            writer.mv[self.total - len(tail):self.total] = tail
         return True
 
 
-def make_plan(samples: list, collated: Any, writer: Any, other: OtherColumn | None = None,
-              tail: bytes | None = None) -> Plan | None:
+def make_plan(samples: list, collated: Any, writer: Any, other: OtherColumn | None = None) -> Plan | None:
     """The :class:`Plan` of a batch the generic path has just published: ``samples``
     as the dataset returned them, ``collated`` what the collate rule made of them
     through ``writer.alloc``, ``writer`` the :class:`~mploader._descriptor.SlotWriter`
     whose ``finish`` published (with ``keep_descriptor`` set) a batch whose
     descriptor depends on nothing but ``collated``'s arrays (their dtypes, shapes and
-    offsets) and, when given, the
-    ``tail`` bytes it ends with (the batch's one variable-length leaf, its last).
-    ``other`` plans the columns of leaves this module does not know.  None when the
+    offsets).  ``other`` plans the columns of leaves this module does not know.  None when the
     structure cannot be planned (see the module's docstring)."""
     described = writer.described
     if described is None or type(samples) is not list or not samples:
@@ -130,8 +122,6 @@ def make_plan(samples: list, collated: Any, writer: Any, other: OtherColumn | No
     desc_off, enc_flags, descriptor = described  # (copied before publication: the slot may be reused since)
     if enc_flags or writer.mv is None:
         return None  # in-band pickles or strings: bytes that change with the batch
-    if tail and (len(tail) >= len(descriptor) or not descriptor.endswith(tail)):
-        return None  # the tail is not where the plan would write it
     first, batch_size = samples[0], len(samples)
     in_tuple = type(first) is tuple
     if in_tuple:
@@ -152,8 +142,7 @@ def make_plan(samples: list, collated: Any, writer: Any, other: OtherColumn | No
         if field is None:
             return None
         fields.append(field)
-    return Plan(_columns.BatchPlan(batch_size, in_tuple, fields, descriptor, desc_off), in_tuple, columns,
-                len(tail) if tail else 0)
+    return Plan(_columns.BatchPlan(batch_size, in_tuple, fields, descriptor, desc_off), in_tuple, columns)
 
 
 class Planner:
@@ -164,7 +153,7 @@ class Planner:
     samples and the collated structure to :meth:`remember`; after the batch was
     published it calls :meth:`learn`.  The plans live in ``structures.plans`` (the
     worker's :class:`~mploader._descriptor.Structures`; a cache of its own when not
-    given), keyed by (batch size, tail length).
+    given), keyed by batch size.
     """
 
     __slots__ = ("other", "pending", "plans", "structures", "unused")
@@ -174,28 +163,26 @@ class Planner:
             structures = Structures(MAX_PLANS)
         self.other = other                  # the face's plans for other leaves (make_plan)
         self.structures = structures        # where the plans are kept
-        self.plans: dict[tuple, Plan] = structures.plans  # (its dict, read once per batch)
-        self.pending: tuple | None = None   # (samples, collated, tail) of the batch being finished
+        self.plans: dict[int, Plan] = structures.plans  # (its dict, read once per batch)
+        self.pending: tuple | None = None   # (samples, collated) of the batch being finished
         self.unused = 0                     # plans learnt since a plan last published a batch
 
-    def publish(self, samples: list, writer: Any, tail: bytes | None = None) -> bool:
-        """Write and publish ``samples`` by the plan for their batch size and the
-        length of ``tail`` (the descriptor's variable last bytes, see :class:`Plan`);
-        False (nothing published) when there is none or they do not match it."""
+    def publish(self, samples: list, writer: Any) -> bool:
+        """Write and publish ``samples`` by the plan for their batch size, with
+        ``writer.side`` after the descriptor; False (nothing published) when there is
+        none or they do not match it."""
         if type(samples) is not list:
             return False  # (a dataset's __getitems__ may return another sequence)
-        plan = self.plans.get((len(samples), len(tail) if tail else 0))
-        if plan is None or not plan.fill(samples, writer, tail):
+        plan = self.plans.get(len(samples))
+        if plan is None or not plan.fill(samples, writer) or not writer.publish_plan(plan.core):
             return False
-        writer.publish_plan(plan.core)
         self.unused = 0
         return True
 
-    def remember(self, samples: list, collated: Any, tail: bytes | None = None) -> None:
-        """Keep the generic batch for :meth:`learn` (unless learning stopped);
-        ``tail``: the bytes its descriptor ends with that change with every batch."""
+    def remember(self, samples: list, collated: Any) -> None:
+        """Keep the generic batch for :meth:`learn` (unless learning stopped)."""
         if self.unused < MAX_UNUSED_PLANS:
-            self.pending = (samples, collated, tail)
+            self.pending = (samples, collated)
 
     def learn(self, writer: Any) -> None:
         """Make the plan of the remembered batch, now published through ``writer``;
@@ -204,7 +191,7 @@ class Planner:
         pending, self.pending = self.pending, None
         if pending is None or writer is None or writer.described is None:
             return
-        plan = make_plan(pending[0], pending[1], writer, self.other, pending[2])
+        plan = make_plan(pending[0], pending[1], writer, self.other)
         self.unused += 1
         if plan is not None:
-            self.structures.keep_plan((plan.batch_size, plan.tail), plan)
+            self.structures.keep_plan(plan.batch_size, plan)

@@ -59,7 +59,7 @@ class Run:
         # ``engine``: the Engine (its ``_next_batch`` takes the lock and asks its
         # scheduler, ``engine._scheduler``; a run keeps its engine alive)
         self._engine = engine
-        # ``tagged``: next() returns (worker id, batch index, batch or exception, failed)
+        # ``tagged``: next() returns (worker id, batch index, batch or exception, failed, side)
         # and raises no worker exception (_steps.hand_off; the torch and Chainer faces)
         self.tagged = tagged
         self.source: Iterator[tuple] = iter(tasks)

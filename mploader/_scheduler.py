@@ -33,7 +33,7 @@ from typing import Any
 
 from . import _bad_samples, _memory, _ring, _steps, _watchdog
 from ._channel import Channel, Task
-from ._descriptor import decode
+from ._descriptor import PIPE_SIDE, decode, pipe_side, side_record
 from ._dispatch import Dispatch
 from ._errors import BatchFailure, WorkerError
 from ._metrics import COUNTER_KEYS, Meter, Snapshot, engine_stats
@@ -152,16 +152,22 @@ class Scheduler(Dispatch):
         task consumed and takes the lease from ``task.box`` (``_steps.hand_off``), so an
         interrupt at any point loses nothing (docs/design.md, "Faults")."""
         failed = False
+        side = None   # the batch's side record (mploader._face.Face.side), for a tagged run
         if task.via_pipe:
             msg = task.worker.mailbox[task.seq]
             kind = PIPE_HEADER.unpack_from(msg)[1]
             try:
-                value = pickle.loads(memoryview(msg)[PIPE_HEADER.size:])
+                if kind & PIPE_SIDE:
+                    kind &= ~PIPE_SIDE
+                    data, side = pipe_side(msg)
+                    value = pickle.loads(data)
+                else:
+                    value = pickle.loads(memoryview(msg)[PIPE_HEADER.size:])
                 if kind == _ring.KIND_ERROR:
                     value, failed = _failure_exception(value), True
             except Exception as exc:  # noqa: BLE001 -- an unreadable batch is used up: next() raises it
                 value, failed = exc, True
-            _steps.hand_off(run, task, value, failed, task.worker.mailbox)
+            _steps.hand_off(run, task, value, failed, task.worker.mailbox, side)
             if kind == _ring.KIND_ERROR:
                 self.stats["errors"] += 1
             elif not failed:
@@ -185,9 +191,11 @@ class Scheduler(Dispatch):
             else:
                 value = decode(lease, lease.desc_off, lease.desc_len, self.engine.copy,
                                self.engine.copy_below_bytes)
+                if nbytes > lease.desc_off + lease.desc_len:
+                    side = side_record(lease)
         except Exception as exc:  # noqa: BLE001 -- a corrupt descriptor uses the batch up: next() raises it
             value, failed = exc, True
-        _steps.hand_off(run, task, value, failed, None)
+        _steps.hand_off(run, task, value, failed, None, side)
         if failed:
             if kind == _ring.KIND_ERROR:
                 self.stats["errors"] += 1

@@ -142,17 +142,18 @@ def pull(run, Py_ssize_t n):
     return k
 
 
-def hand_off(run, task, value, bint failed, mailbox):
+def hand_off(run, task, value, bint failed, mailbox, side=None):
     """The consume tail in one step: ``run.handoff`` = ``value`` (``failed``: an
     exception that ``next()`` raises -- the worker's, or the reason the batch cannot
     be read), ``task`` consumed and off its worker's ``outstanding``, then the
     batch's message out of ``mailbox`` (the pipe; None for a slot) and the lease out
     of ``task.box`` (E4 when nothing else holds it; last, as a lease's release hook
     may run Python code).  A tagged run (``run.tagged``: the torch and Chainer faces)
-    gets ``(worker id, batch index, value, failed)`` -- who built which batch, as the
-    scheduler knows it -- and raises nothing: the face decides."""
+    gets ``(worker id, batch index, value, failed, side)`` -- who built which batch,
+    as the scheduler knows it, and the batch's side record (``bytes`` or None:
+    mploader._face.Face.side) -- and raises nothing: the face decides."""
     if getattr(run, "tagged", False):
-        value = (task.worker.wid, task.batch_index, value, failed)
+        value = (task.worker.wid, task.batch_index, value, failed, side)
         failed = False
     run.handoff = value
     run.failed = failed

@@ -108,7 +108,7 @@ DEFAULT, CONVERT, CUSTOM = "default", "convert", "custom"
 class Fetch(Face):
     """The torch face's worker contract (:class:`mploader._face.Face`).
 
-    The batch is ``(payload, kind, rng)`` (which worker built it, the engine says:
+    The batch is ``(payload, kind)`` (which worker built it, the engine says:
     ``Engine.run(tagged=True)``): ``kind`` ARRAYS -- the batch with
     arrays where torch has tensors (the parent applies
     :func:`~mploader._torch_collate.to_tensors`); PACKED -- a
@@ -131,8 +131,8 @@ class Fetch(Face):
     CUSTOM (``collate_fn`` + :func:`pack`).  A map-style batch collated by torch's
     own ``default_collate`` is plannable (tensor columns: :func:`plan_tensor_column`).
 
-    ``rng`` (the :meth:`tail`) is None here; :class:`CapturingFetch` sends the
-    worker's RNG states.
+    No :meth:`side` here; :class:`CapturingFetch` sends the worker's RNG states
+    beside the batch.
     """
 
     other_columns = staticmethod(plan_tensor_column)
@@ -167,12 +167,12 @@ class Fetch(Face):
         return (self.mode == DEFAULT and self.auto_collation and not isinstance(dataset, IterableDataset)
                 and stock_default_collate())
 
-    def wrap(self, collated: Any, tail: bytes | None) -> tuple[Any, int, bytes | None]:
+    def wrap(self, collated: Any) -> tuple[Any, int]:
         if collated is _END:
-            return (None, EXHAUSTED, tail)
+            return (None, EXHAUSTED)
         if type(collated) is _Packed:
-            return (collated.packed, PACKED, tail)
-        return (collated, ARRAYS, tail)
+            return (collated.packed, PACKED)
+        return (collated, ARRAYS)
 
     def _next_samples(self, dataset: Any, indices: Any) -> Any:
         _, epoch, n = indices
@@ -200,11 +200,12 @@ class Fetch(Face):
 
 
 class CapturingFetch(Fetch):
-    """:class:`Fetch` for torch's per-worker seeding: ``rng`` is the worker's RNG
-    states after the batch -- after collation, which may draw too --
-    (:func:`mploader._rng_state.capture`, ``bytes``), which a checkpoint needs
-    (docs/design.md, "Checkpoint state").  An exception raised by the batch carries
-    them as its ``mploader_rng`` attribute, when its type can take one.
+    """:class:`Fetch` for torch's per-worker seeding: the batch's :meth:`side`
+    record, ``rng``, is the worker's RNG states after the batch -- after collation,
+    which may draw too -- (:func:`mploader._rng_state.capture`, ``bytes``), which a
+    checkpoint needs (docs/design.md, "Checkpoint state").  An exception raised by
+    the batch carries them as its ``mploader_rng`` attribute, when its type can take
+    one.
 
     ``rng`` is None when the states are those this worker sent with its previous
     batch of the same run (the task's epoch): a dataset that draws no random numbers
@@ -247,7 +248,7 @@ class CapturingFetch(Fetch):
             self._failed(exc)
             raise
 
-    def tail(self) -> bytes | None:
+    def side(self) -> bytes | None:
         # Taken after collation, which may draw too, or, for a plannable batch, before
         # it: torch's own default_collate (the only rule with plans) draws nothing.
         rng = _rng_state.capture_if_changed(self._sent)

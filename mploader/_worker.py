@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 
 from . import _bad_samples, _ring, _rng_state, _spec, _stacks
-from ._descriptor import SlotWriter, Structures
+from ._descriptor import SlotWriter, Structures, pipe_message
 from ._errors import BatchFailure
 from ._face import Face
 from ._metrics import WorkerBusy
 from ._plan import MAX_PLANS, Planner
-from ._protocol import PIPE_HEADER, TaskReader
+from ._protocol import TaskReader
 
 _MASK64 = (1 << 64) - 1
 
@@ -232,15 +232,17 @@ class Batches:
     (:class:`mploader._descriptor.Structures`), which every :meth:`writer` uses.
     """
 
-    __slots__ = ("face", "fetch", "load", "plannable", "planner", "structures", "tail")
+    __slots__ = ("face", "fetch", "load", "pipe_side", "plannable", "planner", "side", "structures")
 
     def __init__(self, fetch: Callable) -> None:
         self.fetch = fetch
         face = self.face = fetch if isinstance(fetch, Face) else None
         self.structures = Structures(MAX_PLANS)
         self.planner = Planner(face.other_columns, self.structures) if face is not None else None
-        #: the face's ``tail``, None where it is Face's (no tail: one call less per batch)
-        self.tail = face.tail if face is not None and type(face).tail is not Face.tail else None
+        #: the face's ``side``, None where it is Face's (no side record: one call less per batch)
+        self.side = face.side if face is not None and type(face).side is not Face.side else None
+        #: the side record of the batch :meth:`make` made for the pipe (no writer)
+        self.pipe_side: bytes | None = None
         # (bound once: the face's steps cost a method lookup less per batch)
         self.load: Callable[[Any, Any], Any] = face.load if face is not None else _no_face
         self.plannable: Callable[[Any, Any], bool] = face.plannable if face is not None else _no_face
@@ -252,7 +254,8 @@ class Batches:
     def make(self, dataset: Any, indices: Any, writer: SlotWriter | None, guard: Any = None) -> tuple[Any, bool]:
         """``(batch, False)``: the batch of ``indices`` for :meth:`deliver`; or
         ``(None, True)``: a plan wrote it into ``writer``'s slot and published it.
-        ``writer`` None: no slot (the batch goes through the pipe).  ``guard``: the
+        ``writer`` None: no slot (the batch goes through the pipe).  The face's side
+        record goes to ``writer.side`` (or ``pipe_side``).  ``guard``: the
         :class:`mploader._bad_samples.Guard` over ``dataset`` under ``"skip"`` /
         ``"substitute"``, which loads again without a sample that raised.  Raises
         what the face raises."""
@@ -269,18 +272,24 @@ class Batches:
             samples = guard.fetch(lambda left: load(guard, left), indices)
         else:
             samples = load(dataset, indices)
-        take_tail = self.tail
+        take_side = self.side
         if writer is not None and self.plannable(dataset, samples):
             planner = self.planner
             assert planner is not None
-            tail = take_tail() if take_tail is not None else None
-            if planner.publish(samples, writer, tail):
+            if take_side is not None:
+                writer.side = take_side()
+            if planner.publish(samples, writer):
                 return _PUBLISHED
             collated = face.collate(samples, writer.alloc)
-            planner.remember(samples, collated, tail)
-            return face.wrap(collated, tail), False
+            planner.remember(samples, collated)
+            return face.wrap(collated), False
         collated = face.collate(samples, writer.alloc if writer is not None else np.empty)
-        return face.wrap(collated, take_tail() if take_tail is not None else None), False
+        if take_side is not None:
+            if writer is not None:
+                writer.side = take_side()
+            else:
+                self.pipe_side = take_side()
+        return face.wrap(collated), False
 
     def deliver(self, send: Callable[[bytes], None], writer: SlotWriter | None, seq: int, kind: int,
                 batch: Any) -> None:
@@ -290,7 +299,10 @@ class Batches:
         planner = self.planner
         if writer is not None and planner is not None and planner.pending is not None:
             writer.keep_descriptor = True  # the plan is learnt from it (mploader._plan)
-        _deliver(send, writer, seq, kind, batch)
+        side = self.pipe_side
+        if side is not None:
+            self.pipe_side = None
+        _deliver(send, writer, seq, kind, batch, side)
 
     def learn(self, writer: SlotWriter | None) -> None:
         """After :meth:`deliver`: the plan of the batch, when it was published in the
@@ -366,11 +378,13 @@ def _loop(spec: WorkerSpec, boot: WorkerBoot, region: Any, init_failure: BatchFa
         del batch, writer, task, indices
 
 
-def _deliver(send: Callable[[bytes], None], writer: SlotWriter | None, seq: int, kind: int, obj: Any) -> None:
-    """Publish ``obj`` in the writer's slot, or send it through the pipe."""
+def _deliver(send: Callable[[bytes], None], writer: SlotWriter | None, seq: int, kind: int, obj: Any,
+             side: bytes | None = None) -> None:
+    """Publish ``obj`` in the writer's slot, or send it through the pipe; a KIND_SLOT
+    batch with its side record (``writer.side``, or ``side`` without a writer)."""
     if writer is not None:
         data = writer.finish(obj, kind)
         if data is not None:
-            send(PIPE_HEADER.pack(seq, kind) + data)
+            send(pipe_message(seq, kind, data, writer.side if kind == _ring.KIND_SLOT else None))
     else:
-        send(PIPE_HEADER.pack(seq, kind) + pickle.dumps(obj, protocol=5))
+        send(pipe_message(seq, kind, pickle.dumps(obj, protocol=5), side if kind == _ring.KIND_SLOT else None))

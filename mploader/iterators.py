@@ -77,7 +77,7 @@ class _Unlocked:
 class _Run:
     """One run: its records, the states planned for them, a planning failure.
 
-    ``batches`` yields ``(worker_id, batch_index, value, failed)`` for each task (a
+    ``batches`` yields ``(worker_id, batch_index, value, failed, side)`` for each task (a
     tagged engine run, or :class:`~mploader._chainer_inline.InlineRun`): the batch,
     or with ``failed`` the dataset's exception, which used up the batch's task (the
     next call goes on with the following batch; an engine's failure that is not the
@@ -408,7 +408,7 @@ class MultiprocessIterator:
             if self._run is run:
                 self._drop_run()   # the batch is owed: a new run plans it again from the state
             raise
-        (_, _, value, failed), state = held
+        (_, _, value, failed, _), state = held
         if failed and not isinstance(run.batches, InlineRun) and not is_batch_error(value):
             self._drop_run()   # the batch cannot be read (a corrupt slot): a new run loads it again
             raise value

@@ -536,8 +536,8 @@ class _RingIter(_BaseDataLoaderIter):
                 if run.source_error is not None:   # the sampler raised (an interrupt): the pass ends
                     break
                 raise
-            wid, _, value, failed = held[0]   # a batch, or one that raised: dropped as the others
-            rng = getattr(value, "mploader_rng", None) if failed else value[2]
+            wid, _, value, failed, side = held[0]   # a batch, or one that raised: dropped as the others
+            rng = getattr(value, "mploader_rng", None) if failed else side
             if rng is not None:
                 streams.received(wid, rng)
             del held[:]
@@ -563,8 +563,9 @@ class _RingIter(_BaseDataLoaderIter):
         return data
 
     def _next_data(self) -> Any:
-        # Each record of the (tagged) run -- (worker id, batch index, value, failed),
-        # as the scheduler knows them -- is taken into self._held (_steps.take) and
+        # Each record of the (tagged) run -- (worker id, batch index, value, failed,
+        # side: the worker's RNG states after the batch or None), as the scheduler
+        # knows them -- is taken into self._held (_steps.take) and
         # stays there until serial_next has handed its batch to the caller.  What is
         # done for it here is idempotent per record (sets keyed by batch index, single
         # stores), so an interrupt at any point is followed by the same record again,
@@ -585,7 +586,7 @@ class _RingIter(_BaseDataLoaderIter):
                 raise
             except TimeoutError as exc:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from exc
-            wid, batch_index, value, failed = held[0]
+            wid, batch_index, value, failed, side = held[0]
             dispatch.received_from(wid, batch_index)
             if failed:   # the batch's exception used it up
                 if streams is not None:
@@ -600,9 +601,9 @@ class _RingIter(_BaseDataLoaderIter):
                     raise error from cause
                 del held[:]
                 raise value   # the batch cannot be read (a corrupt descriptor)
-            payload, kind, rng = value
-            if rng is not None and streams is not None:
-                streams.after[wid] = rng   # the worker's RNGs after this batch (checkpoints)
+            payload, kind = value
+            if side is not None and streams is not None:
+                streams.after[wid] = side   # the worker's RNGs after this batch (checkpoints)
             if kind == EXHAUSTED:
                 dispatch.active[wid] = False
                 pos.exhausted(batch_index)

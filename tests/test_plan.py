@@ -47,7 +47,7 @@ def gluon_numpy(samples):
 class OneSlot:
     """A one-slot region and one worker's batch steps (``mploader._worker.Batches``,
     what ``_loop`` runs); :meth:`load` runs a batch the way the loop does and returns
-    (the decoded batch, whether a plan wrote it)."""
+    (the decoded batch, whether a plan wrote it); ``side``: the batch's side record."""
 
     def __init__(self, slot_bytes=1 << 16, fetch=None):
         self.region = _ring.create_region(1, slot_bytes)
@@ -55,6 +55,7 @@ class OneSlot:
         self.planner = self.batches.planner
         self.seq = 0
         self.before_learning = None   # runs between a generic batch's publication and learn()
+        self.side = None              # the last batch's side record (the face's side(), after the descriptor)
 
     @staticmethod
     def _send(data):
@@ -78,6 +79,7 @@ class OneSlot:
             self.batches.learn(writer)
         lease = self.region.wait(0, 0)
         got = D.decode(lease, lease.desc_off, lease.desc_len, copy=True)
+        self.side = D.side_record(lease)
         del lease
         return got, planned
 

@@ -34,14 +34,14 @@ torch_leaf_specs = st.one_of(
 
 def torch_face_batch(slot, samples):
     """(what mploader.torch's parent makes of the batch, or the exception the worker
-    raised; whether a plan wrote it; the RNG states it carries)."""
+    raised; whether a plan wrote it; the RNG states beside it, its side record)."""
     try:
         got, planned = slot.load(samples)
     except Exception as exc:  # noqa: BLE001 - compared with torch's
         return exc, False, None
-    payload, kind, rng = got
+    payload, kind = got
     assert kind == _torch_worker.ARRAYS
-    return _torch_collate.to_tensors(payload), planned, rng
+    return _torch_collate.to_tensors(payload), planned, slot.side
 
 
 @pytest.mark.parametrize("capturing", [True, False], ids=["torch seeding", "seed="])
@@ -60,7 +60,7 @@ def test_torch_face_batches_are_default_collates(monkeypatch, capturing, structu
         for b, change in enumerate(changes):
             samples = perturbed_batch(structure, batch_size, b, change)
             if capturing and b % 3 == 2:
-                torch.rand(1)  # the dataset drew: this batch carries new RNG states (a plan's tail)
+                torch.rand(1)  # the dataset drew: this batch carries new RNG states (its side record)
             got, planned, rng = torch_face_batch(slot, samples)
             assert rng is None or rng == _rng_state.capture()
             try:
@@ -77,10 +77,11 @@ def test_torch_face_batches_are_default_collates(monkeypatch, capturing, structu
         slot.close()
 
 
-def test_torch_face_batches_with_new_rng_states_go_by_a_plan_of_their_own(monkeypatch):
+def test_torch_face_batches_with_new_rng_states_go_by_the_same_plan(monkeypatch):
     """With torch's seeding a batch carries the worker's RNG states when they changed
-    since its previous batch: the states end its descriptor, and such batches have a
-    plan of their own that writes each batch's states (checked against capture())."""
+    since its previous batch: the states follow its descriptor in the slot (the side
+    record), outside the plan, so batches with and without them share one plan, which
+    writes each batch's states after it (checked against capture())."""
     monkeypatch.setattr(mpl_worker, "task_epoch", 0)
     slot = OneSlot(fetch=_torch_worker.CapturingFetch(_torch_worker.DEFAULT, torch.utils.data.default_collate,
                                                       True, False))
@@ -92,14 +93,16 @@ def test_torch_face_batches_with_new_rng_states_go_by_a_plan_of_their_own(monkey
         for b in range(7):
             if b in (3, 5):
                 torch.rand(1)  # the dataset drew a number: this batch sends the states
-            (payload, kind, rng), planned = slot.load(samples(b))
+            (payload, kind), planned = slot.load(samples(b))
+            rng = slot.side
             outcomes.append((rng is not None, planned))
             assert rng is None or rng == _rng_state.capture()
             assert_same_batch(_torch_collate.to_tensors(payload), torch.utils.data.default_collate(samples(b)))
-        # batch 0 sends the run's states (a plan with states is learnt), 1 sends none (a
-        # plan without); from then on each batch goes by the plan of its kind
-        assert outcomes == [(True, False), (False, False), (False, True), (True, True), (False, True),
+        # batch 0 sends the run's states (its plan is learnt), 1 sends none; from then on
+        # each batch goes by that one plan, with or without states
+        assert outcomes == [(True, False), (False, True), (False, True), (True, True), (False, True),
                             (True, True), (False, True)]
+        assert list(slot.batches.structures.plans) == [8]
     finally:
         slot.close()
 
