@@ -9,7 +9,7 @@ An end-to-end loader cannot resolve a few hundred nanoseconds against tens of
 microseconds of transport and scheduling noise, so each side is timed in isolation
 against the same code without the metrics:
 
-* ``next``   -- ``Run.__next__`` of mploader over a stub engine whose ``_next_batch``
+* ``next``   -- ``Run.__next__`` of mploader over a stub engine whose ``next_batch``
   only sets the handoff, versus the same method without the metering lines (the
   body as it was before the metrics, kept below);
 * ``consume`` -- the lines ``_consume`` gained, on a real ``SlotLease``;
@@ -52,10 +52,10 @@ class _StubEngine:
     closed = True  # the runs' abandon finalizers have nothing to hand back
 
     def __init__(self) -> None:
-        self._scheduler = _StubScheduler()
-        self._scheduler.meter = Meter()  # type: ignore[attr-defined]
+        self.scheduler = _StubScheduler()   # (what Engine.run gives each Run)
+        self.scheduler.meter = Meter()  # type: ignore[attr-defined]
 
-    def _next_batch(self, run: Any) -> None:
+    def next_batch(self, run: Any) -> None:
         run.handoff = run
 
 
@@ -66,7 +66,7 @@ def _next_without_metrics(self: Any) -> Any:
     if self.done:
         raise StopIteration
     try:
-        self._engine._next_batch(self)
+        self._engine.next_batch(self)
     except StopIteration:
         self.done = True
         raise
@@ -99,8 +99,8 @@ def _loop_next(run: Any) -> Any:
 
 def bench_next(calls: int, repeats: int) -> tuple[float, float]:
     engine = _StubEngine()
-    with_m = _scheduler.Run(engine, [], True)  # type: ignore[arg-type]
-    without = _BaselineRun(engine, [], True)  # type: ignore[arg-type]
+    with_m = _scheduler.Run(engine, engine.scheduler, [], True)
+    without = _BaselineRun(engine, engine.scheduler, [], True)
     a = _time(_loop_next(with_m), calls, repeats)
     b = _time(_loop_next(without), calls, repeats)
     return a, b

@@ -354,7 +354,7 @@ class Engine:
         region = res.region
         if res.released or region is None:
             # The finalizer ran at interpreter exit while another thread iterates:
-            # nothing may start now (_next_batch turns this into a quiet exit).
+            # nothing may start now (next_batch turns this into a quiet exit).
             raise RuntimeError(f"worker {wid} cannot start: the loader's resources were released")
         cell = res.busy.allocate() if res.busy is not None else -1
         worker = start_worker(self.spec, wid, region, self.start_method, lambda: _drop_all_in_child(res),
@@ -383,7 +383,7 @@ class Engine:
             if previous is not None:
                 previous.abandon()
             self.ensure_workers()
-            run = Run(self, tasks, in_order, tagged)
+            run = Run(self, self._scheduler, tasks, in_order, tagged)
             self._current = weakref.ref(run)  # weak: a run keeps its engine alive, not the reverse
             return run
 
@@ -402,7 +402,10 @@ class Engine:
         run = self._current()
         return run is not None and not run.done and not run.superseded
 
-    def _next_batch(self, run: Run) -> None:
+    def next_batch(self, run: Run) -> None:
+        """Put ``run``'s next batch in ``run.handoff`` (``Run.__next__`` calls it): under
+        the engine's lock, in the process that made the engine, while it is open; the
+        scheduler's ``next_batch`` raises StopIteration at the end of the run."""
         with self._lock:
             self._check_usable()
             try:

@@ -1,9 +1,10 @@
 """A run: one pass over a task stream (an epoch), as the faces iterate it.
 
-:class:`Run` only asks the engine for its next batch (under the engine's lock, the
-scheduler puts it in ``run.handoff``) and hands it over; it registers itself with
-the scheduler so that a run dropped or superseded mid-epoch hands its batches in
-flight back as stale (docs/design.md, "Faults").  The input-pipeline meter times
+:class:`Run` only asks the engine for its next batch (``Engine.next_batch``: under
+the engine's lock, the scheduler puts it in ``run.handoff``) and hands it over; it
+registers itself with the scheduler the engine gave it, so that a run dropped or
+superseded mid-epoch hands its batches in flight back as stale (docs/design.md,
+"Faults").  It reaches no private of the engine (tests/test_scheduler_privates.py).  The input-pipeline meter times
 its ``next()`` (mploader._metrics).
 """
 from __future__ import annotations
@@ -55,10 +56,15 @@ class Run:
         ``__cause__`` is a :class:`~mploader._errors.WorkerTraceback`.
     """
 
-    def __init__(self, engine: Any, tasks: Iterable[tuple], in_order: bool, tagged: bool = False) -> None:
-        # ``engine``: the Engine (its ``_next_batch`` takes the lock and asks its
-        # scheduler, ``engine._scheduler``; a run keeps its engine alive)
+    def __init__(self, engine: Any, scheduler: Any, tasks: Iterable[tuple], in_order: bool,
+                 tagged: bool = False) -> None:
+        # ``engine``: the Engine, whose public ``next_batch(run)`` takes its lock, checks
+        # the process and asks the scheduler (a run keeps its engine alive); per batch
+        # ``self._engine.next_batch``: two attribute lookups that CPython 3.11 specialises
+        # (a bound method kept in the run would be one lookup that it does not).
         self._engine = engine
+        # ``scheduler``: the engine's Scheduler (adopt below, abandon)
+        self._scheduler = scheduler
         # ``tagged``: next() returns (worker id, batch index, batch or exception, failed, side)
         # and raises no worker exception (_steps.hand_off; the torch and Chainer faces)
         self.tagged = tagged
@@ -72,7 +78,6 @@ class Run:
         self.exhausted = False
         self.done = False
         self.superseded = False
-        scheduler = engine._scheduler
         # The scheduler's meter times next() (its counters restart with the run), and the
         # run's weak reference (self._ref) hands its batches in flight back as stale once
         # it is dropped (Scheduler.adopt).
@@ -91,7 +96,7 @@ class Run:
         if t0 >= meter.tick_at:  # the run's first two calls, a window mark, a periodic report
             meter.tick(t0, self._counts)
         try:
-            self._engine._next_batch(self)
+            self._engine.next_batch(self)
         except StopIteration:
             self.done = True
             meter.finish(_clock())
@@ -117,4 +122,4 @@ class Run:
         stale, and the workers skip those they have not started.  Called under the
         engine's lock."""
         self.superseded = True
-        self._engine._scheduler.abandon(self)
+        self._scheduler.abandon(self)

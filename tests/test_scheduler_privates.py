@@ -97,17 +97,30 @@ def test_no_scheduler_private_that_another_class_shares_is_reached_through_a_sch
 def test_the_scheduler_and_the_watchdog_reach_no_private_of_the_engine():
     """The engine hands the scheduler what it needs (``Scheduler(engine, res, lock)``)
     and the scheduler calls the engine's public methods (``closing``,
-    ``start_worker``).  Known and left: a ``Run`` asks its engine for the next batch
-    through ``engine._next_batch`` (the engine's lock and fork check) and reaches
-    ``engine._scheduler`` (bench/metrics_cost.py builds runs over a stub engine of
-    that shape)."""
+    ``start_worker``); the engine hands each run its scheduler (``Run(engine,
+    scheduler, ...)``) and the run asks for its batches through the engine's public
+    ``next_batch``."""
     trees = _trees()
     engine_names = private_names({"_engine": trees["_engine"]})
-    assert {"_res", "_lock", "_scheduler", "_next_batch"} <= engine_names
-    known = {"_run: engine._scheduler", "_run: self._engine._next_batch", "_run: self._engine._scheduler"}
-    found = {f"{f.split(':', 1)[0]}: {f.split(': ', 1)[1]}"   # (module: expression, without the line)
-             for f in reaches_in({m: trees[m] for m in (*SCHEDULER, "_watchdog")}, engine_names)}
-    assert sorted(f for f in found - known if "engine" in f.split(": ", 1)[1].rsplit(".", 1)[0]) == []
+    assert {"_res", "_lock", "_scheduler"} <= engine_names
+    found = reaches_in({m: trees[m] for m in (*SCHEDULER, "_watchdog")}, engine_names)
+    assert [f for f in found if "engine" in f.split(": ", 1)[1].rsplit(".", 1)[0]] == []
+
+
+def test_the_engine_scan_finds_the_runs_old_reaches():
+    """What ``Run`` did until issue 21 s1 -- ``engine._scheduler`` and
+    ``engine._next_batch`` (then the engine's, now ``Engine.next_batch``) -- is found
+    (else the check above would pass for nothing)."""
+    engine_names = private_names({"_engine": _trees(("_engine",))["_engine"]}) | {"_next_batch"}
+    tree = ast.parse("class Run:\n"
+                     "    def __init__(self, engine):\n"
+                     "        self._engine = engine\n"
+                     "        scheduler = engine._scheduler\n"
+                     "    def __next__(self):\n"
+                     "        self._engine._next_batch(self)\n"
+                     "        self._engine._scheduler.abandon(self)\n")
+    assert reaches_in({"_run": tree}, engine_names) == [
+        "_run:4: engine._scheduler", "_run:6: self._engine._next_batch", "_run:7: self._engine._scheduler"]
 
 
 def test_the_scan_finds_the_watchdogs_old_calls():
