@@ -189,9 +189,9 @@ class Scheduler(Dispatch):
             if kind == _ring.KIND_ERROR:
                 value, failed = _failure_exception(decode(lease, lease.desc_off, lease.desc_len, copy=True)), True
             else:
-                value = decode(lease, lease.desc_off, lease.desc_len, self.engine.copy,
-                               self.engine.copy_below_bytes)
-                if nbytes > lease.desc_off + lease.desc_len:
+                desc_off, desc_len = lease.desc_off, lease.desc_len
+                value = decode(lease, desc_off, desc_len, self.engine.copy, self.engine.copy_below_bytes)
+                if nbytes > desc_off + desc_len:   # (the bytes after the descriptor: a side record)
                     side = side_record(lease)
         except Exception as exc:  # noqa: BLE001 -- a corrupt descriptor uses the batch up: next() raises it
             value, failed = exc, True
