@@ -211,17 +211,38 @@ def test_resumed_iterator_leaves_torchs_global_rng_as_the_uninterrupted_run(no_l
 
 
 @pytest.mark.xfail(strict=True, reason="a run whose every batch was taken is busy until its StopIteration "
-                                       "(engine: Engine.busy / Run.done); reported for the engine's owner")
+                                       "(Engine.busy, Run.done; the torch face's stop_workers at an old "
+                                       "iterator's end); reported for the engine's owner")
 def test_an_epoch_read_to_its_length_leaves_the_workers_to_the_next_epoch(no_leaks):
     """Lightning's fetcher takes ``len(loader)`` batches and never asks for the
-    StopIteration; the old iterator is dropped only after the next ``iter()``.  Then
-    every other epoch of a non-persistent loader starts workers of its own (torch's
-    rule for two live iterators) and ``stats()`` misses it."""
+    StopIteration; the old iterator is dropped only after the next ``iter()``.  That
+    run is still busy, so every other epoch of a non-persistent loader starts workers
+    of its own (torch's rule for two live iterators) and ``stats()`` misses it.
+    Wanted: the next ``iter()`` ends the old run (its ``next()`` raises StopIteration,
+    as torch's exhausted iterator does) and takes its workers."""
     loader = mpt.DataLoader(Draws(), batch_size=3, num_workers=2)
     with loader:
-        it = None
+        old = None
         for _ in range(3):
             it = iter(loader)
-            for _ in range(len(loader)):
-                next(it)
+            if old is not None:
+                with pytest.raises(StopIteration):
+                    next(old)
+            got = [next(it)[0].tolist() for _ in range(len(loader))]
+            assert got == [[i, i + 1, i + 2] for i in range(0, 12, 3)]
+            old = it
         assert loader.stats()["slot"] == 3 * len(loader)
+        with pytest.raises(StopIteration):
+            next(old)
+
+
+def test_an_iterator_left_mid_epoch_is_still_superseded(no_leaks):
+    """Only a run whose every batch was taken ends quietly: one left with batches to
+    come is superseded by the next ``iter()`` (torch: two live iterators), as before."""
+    loader = mpt.DataLoader(Draws(), batch_size=3, num_workers=2)
+    with loader:
+        it = iter(loader)
+        next(it)
+        again = iter(loader)
+        assert [b[0].tolist() for b in again] == [[i, i + 1, i + 2] for i in range(0, 12, 3)]
+        assert [b[0].tolist() for b in it] == [[i, i + 1, i + 2] for i in range(3, 12, 3)]
