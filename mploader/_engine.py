@@ -276,11 +276,15 @@ class Engine:
             self._scheduler.close()
             self._finalizer()
 
-    def stop_workers(self) -> None:
+    def stop_workers(self, run: Run | None = None) -> None:
         """End the worker processes but keep the region; the next run starts new ones
-        (``persistent_workers=False``).  Batches in flight are abandoned."""
+        (``persistent_workers=False``).  Batches in flight are abandoned.  With ``run``:
+        only while ``run`` is the current run (an old iterator that ends late leaves
+        the workers to the newer run that took them)."""
         with self._lock:
             previous = self._current()
+            if run is not None and previous is not run:
+                return
             if previous is not None:
                 previous.abandon()
             self._scheduler.reset("stop")
@@ -389,8 +393,9 @@ class Engine:
 
     def busy(self) -> bool:
         """Whether a run of this engine is still under way: neither exhausted, ended by
-        an error, nor superseded (a new iterator of the face then needs workers of its
-        own, as each of torch's non-persistent iterators has).
+        an error, superseded, nor :meth:`~mploader._run.Run.drained` (a new iterator of
+        the face then needs workers of its own, as each of torch's non-persistent
+        iterators has).
 
         Raises
         ------
@@ -400,7 +405,7 @@ class Engine:
         """
         self._check_usable()
         run = self._current()
-        return run is not None and not run.done and not run.superseded
+        return run is not None and not run.done and not run.superseded and not run.drained()
 
     def next_batch(self, run: Run) -> None:
         """Put ``run``'s next batch in ``run.handoff`` (``Run.__next__`` calls it): under

@@ -117,9 +117,21 @@ class Run:
         self.handoff = EMPTY
         return batch
 
+    def drained(self) -> bool:
+        """Whether every batch of the run was taken, though ``next()`` has not yet
+        raised StopIteration: the source is exhausted, nothing is in flight or pushed
+        back, no batch or error waits in the handoff (a trainer that takes
+        ``len(loader)`` batches and never asks for the end, as Lightning's fetcher)."""
+        return (self.exhausted and not self.inflight and not self.pushback and self.handoff is EMPTY
+                and self.source_error is None)
+
     def abandon(self) -> None:
         """Superseded (a newer run, stopped workers): the batches in flight become
-        stale, and the workers skip those they have not started.  Called under the
-        engine's lock."""
+        stale, and the workers skip those they have not started.  A run already
+        :meth:`drained` ends instead: its ``next()`` raises StopIteration, as torch's
+        exhausted iterator does.  Called under the engine's lock."""
+        if self.drained():
+            self.done = True
+            return
         self.superseded = True
         self._scheduler.abandon(self)

@@ -582,7 +582,7 @@ class _RingIter(_BaseDataLoaderIter):
                 if self._own_engine and self._engine is not None:
                     self._engine.close()
                 elif not self._persistent_workers and self._engine is not None:
-                    self._engine.stop_workers()
+                    self._engine.stop_workers(self._run)   # (not a newer iterator's workers)
                 raise
             except TimeoutError as exc:
                 raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from exc

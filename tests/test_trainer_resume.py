@@ -210,9 +210,6 @@ def test_resumed_iterator_leaves_torchs_global_rng_as_the_uninterrupted_run(no_l
     assert got == expected
 
 
-@pytest.mark.xfail(strict=True, reason="a run whose every batch was taken is busy until its StopIteration "
-                                       "(Engine.busy, Run.done; the torch face's stop_workers at an old "
-                                       "iterator's end); reported for the engine's owner")
 def test_an_epoch_read_to_its_length_leaves_the_workers_to_the_next_epoch(no_leaks):
     """Lightning's fetcher takes ``len(loader)`` batches and never asks for the
     StopIteration; the old iterator is dropped only after the next ``iter()``.  That
