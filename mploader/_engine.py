@@ -6,7 +6,7 @@ hands it to :meth:`Engine.run`, which yields the batches.  ``fetch(dataset,
 indices, alloc)`` -- run in a worker -- turns indices into a batch, allocating its
 arrays with ``alloc`` (a slot view in a worker process, ``np.empty`` otherwise).
 
-Layout (docs/design.md, "Engine layout"): this module owns the lifecycle (region,
+Layout (docs/design.md, "The engine"): this module owns the lifecycle (region,
 workers, close, fork safety); :mod:`._scheduler` the batch loop;
 :mod:`._executors` the processes and the in-process and thread executors;
 :mod:`._worker` the worker loop; :mod:`._protocol` the wire format;

@@ -41,7 +41,7 @@ def _headings(doc: str) -> list[str]:
 def _sources() -> list[str]:
     pats = ["README.md", "docs/*.md", "mploader/*.py", "mploader/*.pyx", "mploader/*.pxd",
             "mploader/*.pxi", "mploader/integrations/*.py", "csrc/*.[ch]", "bench/*.py",
-            "bench/mploader_bench/*.py", "tests/*.py", "tests/c/*.c"]
+            "bench/mploader_bench/*.py", "tests/*.py", "tests/c/*.c", "tools/*.py"]
     out: list[str] = []
     for pat in pats:
         out.extend(sorted(glob.glob(os.path.join(REPO, pat))))

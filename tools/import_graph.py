@@ -5,7 +5,7 @@
 Every ``import``/``from ... import`` of an mploader module is an edge, wherever it
 stands: at module level, under ``if TYPE_CHECKING:`` (marked ``type``) or inside a
 function (marked ``local``) -- a circle closed by a type-only or a local import is
-still a circle (docs/design.md, "Picture"; STYLE.md, "Imports in the engine form a
+still a circle (docs/design.md, "The engine"; STYLE.md, "Imports in the engine form a
 tree").  ``--engine`` prints only the engine's modules (:data:`ENGINE`) and the
 edges between them; ``--rev`` reads the tree of a git revision instead of the
 working tree.  The cycles are the strongly connected components of more than one
