@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import _imp
-import collections
 import errno
 import gc
 import importlib
@@ -32,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _fds, _spec, _zygote
+from . import _fds, _spec, _steps, _zygote
 from ._channel import Channel
 from ._worker import WorkerBoot, WorkerSpec, batch_seed, fork_main, seed_rngs, spawn_main
 
@@ -288,12 +287,84 @@ def stop_workers(workers: list[Channel], grace_s: float) -> None:
         multiprocessing.active_children()  # lets multiprocessing forget the spawned processes
 
 
+class _Failed:
+    """The sampler raised ``error`` on the feeder thread: the pass cannot go on."""
+    __slots__ = ("error", "raised")
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.raised = False
+
+
+_END = object()    # the feeder's record for the end of the pass
+_STOP = object()   # a token that ends the feeder thread
+
+
+def _feed(source: Any, tokens: queue.SimpleQueue, results: queue.SimpleQueue,
+          submit: Callable[[tuple], Any] | None) -> None:
+    """A feeder thread: one task of ``source`` (the sampler's task stream) onto
+    ``results`` per token taken from ``tokens`` (``submit(task)`` when given: the
+    task handed to a pool first); then ``_END``, or ``_Failed`` when the source
+    raised, and the thread ends.  The sampler runs here, not in the main thread,
+    where a signal handler's exception (KeyboardInterrupt) would finish its generator."""
+    while tokens.get() is not _STOP:
+        try:
+            t = next(source)
+        except StopIteration:
+            results.put(_END)
+            return
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            results.put(_Failed(exc))
+            return
+        results.put(t if submit is None else submit(t))
+        del t
+
+
+def _start_feeder(source: Any, prefetch: int,
+                  submit: Callable[[tuple], Any] | None) -> tuple[queue.SimpleQueue, queue.SimpleQueue]:
+    """Start a feeder thread (:func:`_feed`) over ``source`` and return its
+    ``(tokens, results)``, a run's fields that :func:`mploader._steps.take_pulled`
+    reads (with ``asked``); at most ``prefetch`` tasks are pulled ahead of the run's
+    box (1: on demand)."""
+    tokens: queue.SimpleQueue = queue.SimpleQueue()
+    results: queue.SimpleQueue = queue.SimpleQueue()
+    for _ in range(prefetch - 1):
+        tokens.put(None)
+    threading.Thread(target=_feed, args=(source, tokens, results, submit), name="mploader-feeder",
+                     daemon=True).start()
+    return tokens, results
+
+
+def _source_failed(record: _Failed) -> BaseException:
+    """What ``next()`` raises once the sampler raised: its exception the first
+    time, then an error that says the pass cannot go on (as the engine's runs do)."""
+    if not record.raised:
+        record.raised = True
+        return record.error
+    err = record.error
+    exc = RuntimeError(f"this pass cannot go on: its sampler's iterator raised {type(err).__name__} inside it, "
+                       "which ends a Python generator; every batch it gave before was delivered; start a new pass "
+                       "(iter(loader))")
+    exc.__cause__ = err
+    return exc
+
+
 class InlineRun:
     """``num_workers=0``: load each batch in the calling process when asked for.
 
     With ``reseed_per_batch`` the RNGs are seeded as a worker would seed them and
     the caller's RNG states are restored after each batch.  An exception consumes
     only its own batch.
+
+    After :meth:`hold` (the Gluon face, through :class:`mploader._metrics.MeteredRun`)
+    the run is safe against interrupts (issue 25 s.2): the sampler runs on a feeder
+    thread (no signal handler runs there, so none finishes its generator), each task
+    is taken into the box in one C step (:func:`mploader._steps.take_pulled`), and
+    the batch made from it stays in the box until the face's C ``__next__``
+    (:func:`mploader._steps.serial_next`) delivered it and emptied the box.  An
+    interrupt while the batch is made (KeyboardInterrupt: not an ``Exception``)
+    leaves the task in the box and the next ``next()`` makes the batch again; one
+    after it was made leaves the batch there and the next ``next()`` returns it.
     """
 
     def __init__(self, dataset: Any, fetch: Callable, tasks: Iterable[tuple], seed: int,
@@ -303,11 +374,65 @@ class InlineRun:
         self._source = iter(tasks)
         self._seed = seed
         self._reseed = reseed_per_batch
+        self._box: list | None = None
+        self._saved: tuple | None = None   # the caller's RNG states while a batch is made
+
+    def hold(self) -> list:
+        """Switch to the interrupt-safe mode (see the class) and return the box, which
+        the caller empties once it has delivered the batch (``serial_next``'s ``it._held``)."""
+        if self._box is None:
+            self._box = []
+            self.tokens, self.results = _start_feeder(self._source, 1, None)
+            self.asked = False
+        return self._box
 
     def __iter__(self) -> InlineRun:
         return self
 
     def __next__(self) -> Any:
+        box = self._box
+        if box is None:
+            return self._next_plain()
+        if self._saved is not None:   # an interrupt cut the last restore short
+            self._restore()
+        if len(box) == 2:   # made, not delivered: an interrupt came after
+            return box[1]
+        _steps.take_pulled(self, box)
+        record = box[0]
+        if record is _END:
+            raise StopIteration
+        if type(record) is _Failed:
+            raise _source_failed(record)
+        epoch, batch_index, indices = record[:3]
+        try:
+            if self._reseed:
+                self._save()
+                seed_rngs(batch_seed(self._seed, epoch, batch_index))
+            box.append(self._fetch(self._dataset, indices, np.empty))
+        except Exception:
+            del box[:]   # the batch's own exception consumes it
+            raise
+        finally:
+            if self._saved is not None:
+                self._restore()
+        return box[1]
+
+    def _save(self) -> None:
+        torch = sys.modules.get("torch")
+        self._saved = (random.getstate(), np.random.get_state(),
+                       torch.random.get_rng_state() if torch is not None else None)
+
+    def _restore(self) -> None:
+        saved = self._saved
+        assert saved is not None
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch = sys.modules.get("torch")
+        if saved[2] is not None and torch is not None:
+            torch.random.set_rng_state(saved[2])
+        self._saved = None
+
+    def _next_plain(self) -> Any:
         epoch, batch_index, indices = next(self._source)[:3]
         if not self._reseed:
             return self._fetch(self._dataset, indices, np.empty)
@@ -357,54 +482,72 @@ class ThreadRun:
     process alive after the script ends (``concurrent.futures`` joins its threads
     at exit).  The process-wide RNGs are not reseeded per batch (the threads share
     them).  ``close()`` (or exhaustion, or garbage collection) stops the threads.
+    A feeder thread pulls the sampler and hands each task to the pool, at most
+    ``prefetch`` ahead; each ``(task, future)`` is taken into the box (:meth:`hold`)
+    in one C step and its batch stays there until delivered, as in
+    :class:`InlineRun`: an interrupt loses no batch and finishes no generator.
     """
 
     def __init__(self, dataset: Any, fetch: Callable, tasks: Iterable[tuple], num_workers: int, prefetch: int,
                  timeout_s: float | None) -> None:
-        self._dataset = dataset
-        self._fetch = fetch
-        self._source = iter(tasks)
-        self._prefetch = max(1, prefetch)
         self._timeout_s = timeout_s or None
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._pending: collections.deque = collections.deque()
-        threads = [threading.Thread(target=_pool_thread, args=(self._jobs,), name=f"mploader-thread-{i}",
+        self._box: list = []
+        jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threads = [threading.Thread(target=_pool_thread, args=(jobs,), name=f"mploader-thread-{i}",
                                     daemon=True) for i in range(num_workers)]
         for t in threads:
             t.start()
-        self._finalizer = weakref.finalize(self, _stop_pool, self._jobs, self._pending, len(threads))
+
+        def submit(t: tuple) -> tuple:   # on the feeder thread
+            fut = _Future()
+            jobs.put((fut, fetch, (dataset, t[2], np.empty)))
+            return t, fut
+
+        self.tokens, self.results = _start_feeder(iter(tasks), max(1, prefetch), submit)
+        self.asked = False
+        self._finalizer = weakref.finalize(self, _stop_pool, jobs, self.tokens, self.results, len(threads))
+
+    def hold(self) -> list:
+        """The box (see the class), which the caller empties once it has delivered the batch."""
+        return self._box
 
     def __iter__(self) -> ThreadRun:
         return self
 
     def __next__(self) -> Any:
-        pending = self._pending
-        while len(pending) < self._prefetch:
-            t = next(self._source, None)
-            if t is None:
-                break
-            fut = _Future()
-            self._jobs.put((fut, self._fetch, (self._dataset, t[2], np.empty)))
-            pending.append((t, fut))
-        if not pending:
+        box = self._box
+        if len(box) == 2:   # made, not delivered: an interrupt came after
+            return box[1]
+        _steps.take_pulled(self, box)
+        record = box[0]
+        if record is _END:
             self.close()
             raise StopIteration
-        t, fut = pending[0]
+        if type(record) is _Failed:
+            raise _source_failed(record)
+        t, fut = record
         if not fut.done.wait(self._timeout_s):
             raise TimeoutError(f"batch {t[1]} of epoch {t[0]} (sample indices {t[2]!r}) took more than "
                                f"{self._timeout_s} s in a pool thread")
-        pending.popleft()
         if fut.error is not None:
+            del box[:]   # the batch's own exception consumes it
             raise fut.error
-        return fut.value
+        box.append(fut.value)
+        return box[1]
 
     def close(self) -> None:
         self._finalizer()
 
 
-def _stop_pool(jobs: queue.SimpleQueue[Any], pending: collections.deque, nthreads: int) -> None:
-    for _, fut in pending:
-        fut.cancelled = True
-    pending.clear()
+def _stop_pool(jobs: queue.SimpleQueue[Any], tokens: queue.SimpleQueue[Any], results: queue.SimpleQueue[Any],
+               nthreads: int) -> None:
+    tokens.put(_STOP)
+    while True:   # the tasks pulled ahead: their batches are not wanted
+        try:
+            record = results.get_nowait()
+        except queue.Empty:
+            break
+        if type(record) is tuple:
+            record[1].cancelled = True
     for _ in range(nthreads):
         jobs.put(None)

@@ -386,14 +386,23 @@ class WorkerBusy:
 class MeteredRun:
     """An in-process run (``num_workers=0`` or ``thread_pool=True``) with its
     ``next()`` timed as the engine's: the time blocked in it is the loading itself (or
-    the wait for a pool thread).  ``counts["batches"]`` counts its batches."""
+    the wait for a pool thread).  ``counts["batches"]`` counts its batches.
 
-    __slots__ = ("gen", "meter", "counts")
+    ``held``: the run's box (its ``hold()``; None for a run without one), which the
+    face's C ``__next__`` empties once it delivered the batch (``serial_next``,
+    ``it._held``).  A batch returned here stays in the box until then: an interrupt
+    between the run's return and that delivery (the clock read below) leaves it
+    there, and the next ``next()`` returns it, counted once (the count is the last
+    step before the return, with no call between)."""
+
+    __slots__ = ("gen", "meter", "counts", "held")
 
     def __init__(self, gen: Any, meter: Meter, counts: dict) -> None:
         self.gen = gen
         self.meter = meter
         self.counts = counts
+        hold = getattr(gen, "hold", None)
+        self.held = hold() if hold is not None else None
         meter.begin_epoch()
 
     def __iter__(self) -> MeteredRun:
@@ -407,10 +416,14 @@ class MeteredRun:
         try:
             batch = self.gen.__next__()
         except StopIteration:
-            meter.finish(_now())
+            t1 = _now()
+            meter.wait += t1 - t0
+            meter.finish(t1)
             raise
-        finally:
+        except BaseException:
             meter.wait += _now() - t0
+            raise
+        meter.wait += _now() - t0
         self.counts["batches"] += 1
         return batch
 

@@ -256,6 +256,25 @@ def take(source, list box, companions=None):
         box.append(companions.popleft())
 
 
+def take_pulled(run, list box):
+    """An in-process run's next task record into the empty ``box`` in one step
+    (nothing when ``box`` holds one): ``run.results`` (a ``queue.SimpleQueue``) is
+    what the run's feeder thread pulled from the sampler, one record per token on
+    ``run.tokens``; a token is put first unless ``run.asked`` says the one put by
+    an interrupted call is still out.  The wait releases the GIL; an interrupt
+    there changes nothing but ``run.asked``, and the record it was waiting for is
+    the next call's.  The sampler (Python code) runs on the feeder thread, where no
+    signal handler runs: an interrupt cannot finish its generator."""
+    if box:
+        return
+    if not run.asked:
+        run.tokens.put(None)
+        run.asked = True
+    record = run.results.get()
+    run.asked = False
+    box.append(record)
+
+
 def abandon_runs(sched):
     """Make the batches in flight of the runs superseded or dropped since the last
     call stale, in one step: ``sched.dropped`` lists their weak references (a run's

@@ -416,6 +416,8 @@ class _LoaderIter:
         self._engine = engine
         self._own_engine = own_engine   # workers started for this iterator alone (closed at its end)
         self._lock = threading.Lock()   # one next() at a time (threads sharing the iterator)
+        # an in-process run's box (MeteredRun.held): serial_next empties it once the batch is delivered
+        self._held = getattr(gen, "held", None)
 
     def __iter__(self) -> _LoaderIter:
         return self

@@ -1,20 +1,21 @@
 """The Gluon face without worker processes (``num_workers=0``: ``InlineRun``;
-``thread_pool=True``: ``ThreadRun``, both under ``_metrics.MeteredRun``), interrupted
-right after its run returned a batch (issue 25, section 2; the in-process executor is
-issue 21 s5's): the same iterator, continued after the ``KeyboardInterrupt``, should
-yield every batch once, in order.
+``thread_pool=True``: ``ThreadRun``, both under ``_metrics.MeteredRun``) interrupted
+while it makes or hands over a batch, or while its sampler runs (issue 25, section
+2; issue 21 s5): the same iterator, continued after the ``KeyboardInterrupt``,
+yields every batch once, in order.
 
-KNOWN AND OPEN (strict xfail: it fails here, and an XPASS fails the suite once it is
-fixed -- then drop the marker).  Found with the injection of
-``tests/test_interrupt_faces.py`` (``drain(it, 5, run_type, after_calls)``):
-``InlineRun.__next__`` restores the global RNGs in a ``finally`` after the batch is
-made and ``MeteredRun.__next__`` reads the clock after it returned, both C calls
-where a pending handler runs: an interrupt there drops that batch (``after_calls=0``:
-batch 8 missing).  An interrupt inside the sampler's generator (``after_calls=3``)
-finishes the generator, and the epoch ends early without an error: 15 of 20 batches
-missing (``num_workers=0``), 12 of 20 (``thread_pool=True``); the engine's runs
-record the source's exception instead (``_steps.pull``).  Each case runs in its own
-child process with a hard time limit (``test_faults.run_case``).
+Before the fix (7d6bb65, a strict xfail): with the injection of
+``tests/test_interrupt_faces.py`` (``drain(it, 5, run_type, after_calls)``) an
+interrupt at ``MeteredRun.__next__``'s clock read after the run returned dropped
+that batch (``after_calls=0``: batch 8 missing), and one inside the sampler's
+generator (``after_calls=3``) finished the generator: the epoch ended early without
+an error, 15 of 20 batches missing (``num_workers=0``), 12 of 20 (``thread_pool=True``).
+Now the sampler runs on a feeder thread (no handler runs there), a task is taken
+into the run's box in one C step (``_steps.take_pulled``) and the batch stays in the
+box until ``serial_next`` delivered it.  ``after_calls`` 0-10 land on every kind of
+C call the main thread makes after a batch (the clock reads, the box checks, the
+RNG save and seeding, collation, the box append).  Each case runs in its own child
+process with a hard time limit (``test_faults.run_case``).
 """
 from __future__ import annotations
 
@@ -24,14 +25,16 @@ import pytest
 from test_faults import run_case
 from test_interrupt_faces import INJECT
 
+import mploader
 
-@pytest.mark.xfail(strict=True, reason="issue 25 s.2 / 21 s5: the in-process runs drop a batch (or the rest of "
-                                       "the epoch) on an interrupt; see the module docstring")
-@pytest.mark.parametrize("after_calls", [0, 3])
+OPTIONS = {"inline": ("InlineRun", "num_workers=0"),
+           "threads": ("ThreadRun", "num_workers=2, thread_pool=True")}
+
+
+@pytest.mark.parametrize("after_calls", [0, 1, 2, 3, 5, 10])
 @pytest.mark.parametrize("kind", ["inline", "threads"])
 def test_in_process_gluon_face_batch_taken_before_an_interrupt_is_not_lost(kind, after_calls):
-    run_type, options = {"inline": ("InlineRun", "num_workers=0"),
-                         "threads": ("ThreadRun", "num_workers=2, thread_pool=True")}[kind]
+    run_type, options = OPTIONS[kind]
     out = run_case(INJECT + textwrap.dedent(f"""
         from mploader import _executors
         loader = mploader.DataLoader(Arange(40), batch_size=2, {options})
@@ -39,6 +42,64 @@ def test_in_process_gluon_face_batch_taken_before_an_interrupt_is_not_lost(kind,
         got = [int(b[0][0]) for b in drain(it, 5, _executors.{run_type}, {after_calls})]
         assert hits[0] == 1, hits
         assert got == list(range(0, 40, 2)), got
+        assert loader.stats()["epoch_batches"] == 20, loader.stats()
         print("OK")
     """), timeout_s=60)
     assert out.stdout.split()[-1:] == ["OK"], out.stdout
+
+
+@pytest.mark.parametrize("kind", ["inline", "threads"])
+def test_in_process_gluon_face_interrupt_while_the_sampler_runs_does_not_end_the_epoch(kind):
+    """SIGINT raised from inside the batch sampler's generator (a real signal, no
+    profile hook): the KeyboardInterrupt reaches the caller, and the same iterator
+    goes on with every batch.  Before: the generator was finished and the epoch
+    ended after 6 batches without an error (torch's DataLoader with num_workers=0
+    does the same: its sampler iterator runs in the main thread)."""
+    options = OPTIONS[kind][1]
+    out = run_case(INJECT + textwrap.dedent(f"""
+        class Batches:
+            def __len__(self):
+                return 20
+            def __iter__(self):
+                for k in range(20):
+                    if k == 6:
+                        signal.raise_signal(signal.SIGINT)
+                    yield [2 * k, 2 * k + 1]
+        loader = mploader.DataLoader(Arange(40), batch_sampler=Batches(), {options})
+        it = iter(loader)
+        got = []
+        while True:
+            try:
+                got.append(int(next(it)[0][0]))
+            except KeyboardInterrupt:
+                continue
+            except StopIteration:
+                break
+        assert hits[0] == 1, hits
+        assert got == list(range(0, 40, 2)), got
+        print("OK")
+    """), timeout_s=60)
+    assert out.stdout.split()[-1:] == ["OK"], out.stdout
+
+
+class _Failing:
+    def __len__(self):
+        return 5
+
+    def __iter__(self):
+        yield [0, 1]
+        yield [2, 3]
+        raise ValueError("sampler broke at batch 2")
+
+
+@pytest.mark.parametrize("kw", [{"num_workers": 0}, {"num_workers": 2, "thread_pool": True}])
+def test_in_process_gluon_face_sampler_error_does_not_end_the_epoch_silently(kw):
+    """The sampler's own exception reaches the caller after the batches it gave,
+    and the pass then says it cannot go on (as the engine's runs), not StopIteration."""
+    loader = mploader.DataLoader([[i] for i in range(10)], batch_sampler=_Failing(), **kw)
+    it = iter(loader)
+    assert [int(b[0][0]) for b in (next(it), next(it))] == [0, 2]
+    with pytest.raises(ValueError, match="sampler broke at batch 2"):
+        next(it)
+    with pytest.raises(RuntimeError, match="this pass cannot go on: its sampler's iterator raised ValueError"):
+        next(it)
