@@ -384,6 +384,7 @@ class InlineRun:
             self._box = []
             self.tokens, self.results = _start_feeder(self._source, 1, None)
             self.asked = False
+            weakref.finalize(self, self.tokens.put, _STOP)   # a run left mid-pass: its feeder ends
         return self._box
 
     def __iter__(self) -> InlineRun:

@@ -103,3 +103,25 @@ def test_in_process_gluon_face_sampler_error_does_not_end_the_epoch_silently(kw)
         next(it)
     with pytest.raises(RuntimeError, match="this pass cannot go on: its sampler's iterator raised ValueError"):
         next(it)
+
+
+@pytest.mark.parametrize("kw", [{"num_workers": 0}, {"num_workers": 2, "thread_pool": True}])
+def test_in_process_feeder_thread_ends_with_its_run(kw):
+    """An iterator left mid-pass and collected, and one run to its end: their feeder
+    (and pool) threads end (joined with a limit: a leak fails, it does not hang)."""
+    import gc
+    import threading
+    before = set(threading.enumerate())
+    loader = mploader.DataLoader([[i] for i in range(10)], batch_size=2, **kw)
+    it = iter(loader)
+    next(it)
+    started = {t for t in threading.enumerate() if t not in before and t.name.startswith("mploader-")}
+    assert "mploader-feeder" in {t.name for t in started}, started
+    del it
+    gc.collect()
+    assert len(list(loader)) == 5
+    gc.collect()
+    started |= {t for t in threading.enumerate() if t not in before and t.name.startswith("mploader-")}
+    for t in started:
+        t.join(10)
+    assert [t.name for t in started if t.is_alive()] == []
