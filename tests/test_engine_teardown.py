@@ -8,25 +8,10 @@ import gc
 import os
 import weakref
 
-import numpy as np
+from test_engine import Arange, fetch_stack
 
 from mploader._diagnose import log_stats_every
 from mploader._engine import CLOSE_GRACE_S, Engine
-
-
-class Arange:
-    def __len__(self):
-        return 1000
-
-    def __getitem__(self, i):
-        return np.full(3, i, np.int64)
-
-
-def fetch_stack(dataset, indices, alloc):
-    out = alloc((len(indices), 3), np.int64)
-    for k, i in enumerate(indices):
-        out[k] = dataset[i]
-    return out
 
 
 def tasks(n, size=2):

@@ -7,28 +7,13 @@ from __future__ import annotations
 import os
 import signal
 
-import numpy as np
 import pytest
+from test_engine import Arange, fetch_stack
 
 from mploader import _ring
 from mploader._engine import Engine
 from mploader._errors import WorkerError
 from mploader._executors import exited
-
-
-class Arange:
-    def __len__(self):
-        return 1000
-
-    def __getitem__(self, i):
-        return np.full(3, i, np.int64)
-
-
-def fetch_stack(dataset, indices, alloc):
-    out = alloc((len(indices), 3), np.int64)
-    for k, i in enumerate(indices):
-        out[k] = dataset[i]
-    return out
 
 
 def fetch_dying_on_7(dataset, indices, alloc):
