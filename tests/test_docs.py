@@ -14,6 +14,9 @@ import re
 
 import pytest
 
+#: These tests read the checkout's sources, not the installed package (make test-matrix leaves them out).
+pytestmark = pytest.mark.source_tree
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ("design.md", "design-log.md", "bench.md", "bench-log.md", "faces.md", "metrics.md")
 

@@ -15,6 +15,11 @@ import importlib.util
 import sys
 from pathlib import Path
 
+import pytest
+
+#: These tests read the checkout's sources, not the installed package (make test-matrix leaves them out).
+pytestmark = pytest.mark.source_tree
+
 TOOL = Path(__file__).resolve().parent.parent / "tools" / "import_graph.py"
 
 

@@ -13,6 +13,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+#: These tests read the checkout's sources, not the installed package (make test-matrix leaves them out).
+pytestmark = pytest.mark.source_tree
+
 PACKAGE = Path(__file__).resolve().parent.parent / "mploader"
 
 #: The scheduler's modules: its three parts, its runs and the workers' channels.

@@ -26,4 +26,4 @@ fi
 rm -rf "$work/tests/release"
 cd "$work"
 "$venv/bin/python" -c 'import mploader, numpy, sys; print("matrix:", sys.version.split()[0], "numpy", numpy.__version__, mploader.__file__)'
-"$venv/bin/python" -m pytest tests -q -p no:cacheprovider
+"$venv/bin/python" -m pytest tests -q -p no:cacheprovider -m "not timing and not source_tree"
