@@ -25,8 +25,8 @@ on request), all with the same number of workers, plus two references:
     as many processes as workers copy distinct samples of the same pool into
     rotating buffers, all at once, each byte read once and written once
     (:mod:`mploader_bench.copylimit`): the memory bus's limit for a loader that
-    collates.  Every row's *share of copy-limit* is its rate over copy-limit's in
-    the same repetition.
+    collates.  Every row's *share of copy-limit* is its rate over the copy-limit
+    measured around its own blocks (below).
 ``collate-limit``
     the calling process alone stacks each batch's samples with
     :func:`numpy.stack` into one pre-allocated, pre-faulted buffer: the
@@ -40,8 +40,13 @@ rate).  Each transport then gets a fixed number of batches per run, about
 `seconds` worth at that rate, so every timed run is a whole epoch (no in-flight
 work spills into the next transport's run).  For each repetition the transports
 run in the same order, one after the other (interleaved); the report gives the
-median over repetitions with the slowest and fastest beside it.  Ratios (share of
-copy-limit, x torch) are taken per repetition and summarised the same way.  The
+median over repetitions with the slowest and fastest beside it.  Where rows get a
+share of copy-limit (small and large), a repetition is *bracketed*
+(:mod:`.transport_blocks`): each transport's run is split into `blocks` epochs (4),
+each run just after a copy-limit block, with one more copy-limit block after the
+last, and a row's share is its rate over the mean of the copy-limit blocks beside
+its own; the other work on a shared machine then weighs on both alike.  Ratios
+(share of copy-limit, x torch) are taken per repetition and summarised the same way.  The
 consumer checks every batch's fingerprint (:mod:`mploader_bench.checks`: the
 first 8 bytes of each row and the labels) and drops it; a wrong batch stops that
 transport and fails the run.  GB/s is decimal (1e9 bytes per second) of collated
@@ -82,6 +87,7 @@ from .synthetic import (
     describe_sample,
     make_dataset,
 )
+from .transport_blocks import bracket_rate, merge, plan
 
 __all__ = ["SIZES", "CACHE_MODES", "TARGETS", "REFERENCE", "CollateLimit", "CopyLimit",
            "SyntheticDataset", "make_dataset", "run", "main"]
@@ -125,6 +131,8 @@ REFERENCE: dict[str, dict[str, float]] = {
 COLLATE_LIMIT = CollateLimit.name
 LIMITS = (COLLATE_LIMIT, COPY_LIMIT)
 DEFAULT_SECONDS = 1.0
+#: Epochs per transport and repetition in the bracketed cases (:mod:`.transport_blocks`).
+DEFAULT_BLOCKS = 4
 
 _CALIBRATE_SECONDS = 0.1
 _MIN_BATCHES = 10
@@ -256,7 +264,7 @@ def run(*, workers: int = 2, repeats: int = 5, seconds: float = DEFAULT_SECONDS,
         transports: Sequence[str] | None = None,
         sizes: Sequence[str] = ("tiny", "small", "large"), cache: str | Sequence[str] = "cold",
         out_dir: str | os.PathLike | None = None, console: Any = None,
-        seed: int = 0, quiet: bool = False) -> dict[str, Any]:
+        seed: int = 0, quiet: bool = False, blocks: int = DEFAULT_BLOCKS) -> dict[str, Any]:
     """Run the transport benchmark and report it.
 
     Parameters
@@ -289,6 +297,11 @@ def run(*, workers: int = 2, repeats: int = 5, seconds: float = DEFAULT_SECONDS,
         Seed of the batch indices (and mploader's ``seed``).
     quiet : bool, optional
         Print only the final tables.
+    blocks : int, optional
+        For the cases whose rows get a share of copy-limit (small and large, when
+        copy-limit runs): each transport's run is split into this many epochs, each
+        between two copy-limit blocks, and its share is taken against them
+        (:mod:`.transport_blocks`); 0 runs every transport once, whole, in order.
 
     Returns
     -------
@@ -327,6 +340,8 @@ def run(*, workers: int = 2, repeats: int = 5, seconds: float = DEFAULT_SECONDS,
         raise ValueError(f"unknown sizes {bad}; choose from {tuple(SIZES)}")
     if repeats < 1:
         raise ValueError(f"repeats={repeats!r}: must be >= 1")
+    if blocks < 0:
+        raise ValueError(f"blocks={blocks!r}: must be >= 0")
     modes = _cache_modes(cache)
 
     started = time.time()
@@ -336,7 +351,7 @@ def run(*, workers: int = 2, repeats: int = 5, seconds: float = DEFAULT_SECONDS,
         "schema": SCHEMA_VERSION,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "config": dict(workers=workers, repeats=repeats, seconds=seconds,
-                       transports=names, sizes=sizes, cache=modes, seed=seed),
+                       transports=names, sizes=sizes, cache=modes, seed=seed, blocks=blocks),
         "machine": machine_info(with_torch="torch" in names),
         "llc": dict(bytes=llc.bytes, level=llc.level, source=llc.source),
         "sizes": {},
@@ -369,7 +384,8 @@ def run(*, workers: int = 2, repeats: int = 5, seconds: float = DEFAULT_SECONDS,
     for size in sizes:
         for mode in modes:
             _run_case(size, mode, names, report, out, workers=workers, repeats=repeats,
-                      seconds=seconds, seed=seed, quiet=quiet, llc=llc, processes=processes)
+                      seconds=seconds, seed=seed, quiet=quiet, llc=llc, processes=processes,
+                      blocks=blocks)
 
     _summarise(report)
     report["elapsed_s"] = round(time.time() - started, 3)
@@ -391,7 +407,8 @@ def _fail(report: dict, errors: dict, case: str, name: str, stage: str, exc: Exc
 
 
 def _run_case(size: str, cache: str, names: list[str], report: dict, out: _Out, *, workers: int,
-              repeats: int, seconds: float, seed: int, quiet: bool, llc: Any, processes: int) -> None:
+              repeats: int, seconds: float, seed: int, quiet: bool, llc: Any, processes: int,
+              blocks: int) -> None:
     spec = SIZES[size]
     case = case_name(size, cache)
     bs = spec["batch_size"]
@@ -455,40 +472,86 @@ def _run_case(size: str, cache: str, names: list[str], report: dict, out: _Out, 
                 _fail(report, errors, case, name, "warm-up", exc, out)
                 live.pop(name).close()
 
+        bracket = blocks if COPY_LIMIT in live and size in COPY_SHARE_SIZES else 0
+        report["sizes"][case]["blocks"] = bracket
+        step_counts = {name: n if not bracket or name == COLLATE_LIMIT else
+                       max(_MIN_BATCHES, math.ceil(n / bracket)) for name, n in counts.items()}
         for rep in range(repeats):
-            rates = []
-            load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-            for name, t in list(live.items()):
-                gc.collect()
-                n = counts[name]
-                try:
-                    wall, cpu, n, wcpu = _time_epoch(t, batches.take(n), expected=batches.expected(n),
-                                                     workers_cpu=True)
-                except Exception as exc:  # noqa: BLE001 - reported; the others still run
-                    _fail(report, errors, case, name, f"repeat {rep}", exc, out)
-                    live.pop(name).close()
-                    continue
-                bps = n / wall
-                verdict = t.verdict() if isinstance(t, peers.Transport) else None
-                rec = dict(size=case, cache=cache, transport=name, repeat=rep, batches=n,
-                           seconds=wall, parent_cpu_s=cpu, workers_cpu_s=wcpu, batches_per_s=bps,
-                           gb_per_s=bps * nbytes / 1e9, verdict=verdict, load_avg=load)
-                if isinstance(t, CopyLimit):
-                    rec["methods_batches_per_s"] = dict(t.last)
-                    rec["workers_cpu_s"] = None  # its processes' CPU is the copy, not a loader's
-                report["runs"].append(rec)
-                rates.append(f"{name} {_fmt_rate(bps)}")
-            if not quiet:
-                out.line(f"[{case}] repeat {rep + 1}/{repeats}: " + ", ".join(rates) + " batches/s")
+            _repetition(rep, case, cache, live, report, errors, out, batches=batches, nbytes=nbytes,
+                        counts=step_counts, bracket=bracket, repeats=repeats, quiet=quiet)
     if not errors:
         report["errors"].pop(case)
 
 
+def _repetition(rep: int, case: str, cache: str, live: dict[str, Any], report: dict, errors: dict,
+                out: _Out, *, batches: Batches, nbytes: int, counts: dict[str, int], bracket: int,
+                repeats: int, quiet: bool) -> None:
+    """One repetition: the timed epochs of :func:`.transport_blocks.plan`, one record
+    per transport (its blocks merged) appended to ``report["runs"]``."""
+    load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    steps = plan(list(live), copy_limit=COPY_LIMIT, unbracketed=(COLLATE_LIMIT,), blocks=bracket)
+    done: list[tuple[str, float | None]] = []
+    recs: list[dict | None] = []
+    failed: set[str] = set()
+    for name in steps:
+        t = live.get(name)
+        if t is None:
+            done.append((name, None))
+            recs.append(None)
+            continue
+        gc.collect()
+        n = counts[name]
+        try:
+            wall, cpu, n, wcpu = _time_epoch(t, batches.take(n), expected=batches.expected(n), workers_cpu=True)
+        except Exception as exc:  # noqa: BLE001 - reported; the others still run
+            _fail(report, errors, case, name, f"repeat {rep}", exc, out)
+            live.pop(name).close()
+            failed.add(name)
+            done.append((name, None))
+            recs.append(None)
+            continue
+        bps = n / wall
+        verdict = t.verdict() if isinstance(t, peers.Transport) else None
+        rec: dict[str, Any] = dict(size=case, cache=cache, transport=name, repeat=rep, batches=n,
+                                   seconds=wall, parent_cpu_s=cpu, workers_cpu_s=wcpu, batches_per_s=bps,
+                                   gb_per_s=bps * nbytes / 1e9, verdict=verdict, load_avg=load)
+        if isinstance(t, CopyLimit):
+            rec["methods_batches_per_s"] = dict(t.last)
+            rec["workers_cpu_s"] = None  # its processes' CPU is the copy, not a loader's
+        done.append((name, bps))
+        recs.append(rec)
+    by_name: dict[str, list[dict]] = {}
+    for i, got in enumerate(recs):
+        if got is None or got["transport"] in failed:
+            continue
+        if bracket and got["transport"] not in LIMITS:
+            got["copy_limit_batches_per_s"] = bracket_rate(done, i, COPY_LIMIT)
+        by_name.setdefault(got["transport"], []).append(got)
+    rates = []
+    for name, rs in by_name.items():
+        merged = merge(rs)
+        report["runs"].append(merged)
+        around = merged.get("copy_limit_batches_per_s")
+        rates.append(f"{name} {_fmt_rate(merged['batches_per_s'])}"
+                     + (f" ({merged['batches_per_s'] / around:.2f} of copy-limit)" if around else ""))
+    if not quiet:
+        out.line(f"[{case}] repeat {rep + 1}/{repeats}: " + ", ".join(rates) + " batches/s")
+
+
 def _paired(by: dict, case: str, name: str, ref: str) -> list[float]:
-    """Per-repetition ratios of `name`'s rate over `ref`'s (repetitions where both ran)."""
+    """Per-repetition ratios of `name`'s rate over `ref`'s (repetitions where both ran).
+
+    Over copy-limit, a record that ran bracketed is divided by the copy-limit measured
+    around its own blocks (``copy_limit_batches_per_s``), not by the repetition's."""
     theirs = {r["repeat"]: r["batches_per_s"] for r in by.get((case, ref), [])}
-    return [r["batches_per_s"] / theirs[r["repeat"]] for r in by.get((case, name), [])
-            if theirs.get(r["repeat"])]
+    out = []
+    for r in by.get((case, name), []):
+        around = r.get("copy_limit_batches_per_s") if ref == COPY_LIMIT else None
+        if around:
+            out.append(r["batches_per_s"] / around)
+        elif theirs.get(r["repeat"]):
+            out.append(r["batches_per_s"] / theirs[r["repeat"]])
+    return out
 
 
 def _summarise(report: dict) -> None:
@@ -582,6 +645,9 @@ def main(argv: Sequence[str] | None = None, *, default_out: str | None = "bench/
     p.add_argument("--seconds", type=float, default=DEFAULT_SECONDS,
                    help=f"target seconds per timed run (default {DEFAULT_SECONDS:g})")
     p.add_argument("--workers", type=int, default=2, help="workers per transport (default 2)")
+    p.add_argument("--blocks", type=int, default=DEFAULT_BLOCKS,
+                   help="small and large: split each transport's run into N epochs, each between two "
+                        f"copy-limit blocks (default {DEFAULT_BLOCKS}; 0: one whole run each)")
     p.add_argument("--sizes", default="tiny,small,large", help="comma-separated sizes")
     p.add_argument("--cache", default="cold", choices=("cold", "resident", "both"),
                    help="data not in the CPU cache (cold, default), cache-resident, or both")
@@ -592,7 +658,7 @@ def main(argv: Sequence[str] | None = None, *, default_out: str | None = "bench/
     report = run(workers=a.workers, repeats=a.repeats, seconds=a.seconds,
                  transports=a.transports.split(",") if a.transports else None,
                  sizes=[s for s in a.sizes.split(",") if s], cache=a.cache,
-                 out_dir=None if a.no_json else a.out, quiet=a.quiet)
+                 out_dir=None if a.no_json else a.out, quiet=a.quiet, blocks=a.blocks)
     if report["mismatches"]:
         return 3
     if "mploader" in report["config"]["transports"] and any(

@@ -69,18 +69,53 @@ def test_copy_limit_names_a_bad_argument(kw, message):
 
 
 def test_suite_reports_each_rows_share_of_copy_limit_per_repetition(monkeypatch):
-    """The share is paired: each repetition's rate over copy-limit's in that repetition."""
+    """Unbracketed (blocks=0), the share is paired: each repetition's rate over
+    copy-limit's in that repetition."""
     from mploader_bench import transport
 
     monkeypatch.setattr(transport, "last_level_cache", lambda: CacheInfo(128 << 10, 3, "test"))
-    report = transport.run(workers=1, repeats=2, seconds=0.01, sizes=("small",),
+    report = transport.run(workers=1, repeats=2, seconds=0.01, sizes=("small",), blocks=0,
                            transports=("inline", "copy-limit"), out_dir=None, quiet=True)
     assert not report["errors"] and not report["mismatches"]
     info = report["sizes"]["small"]
     assert info["cache"] == "cold" and info["pool"]["total_bytes"] >= 4 * (128 << 10)
+    assert info["blocks"] == 0 and all("blocks" not in r for r in report["runs"])
     runs = {(r["transport"], r["repeat"]): r["batches_per_s"] for r in report["runs"]}
     shares = [runs[("inline", k)] / runs[("copy-limit", k)] for k in range(2)]
     got = report["medians"]["small"]["inline"]["share_of_copy_limit"]
     assert got == pytest.approx(dict(median=sum(shares) / 2, min=min(shares), max=max(shares)))
     limit = report["medians"]["small"]["copy-limit"]
     assert set(limit["methods"]) == {"take"} and limit["share_of_copy_limit"] is None
+
+
+def test_suite_takes_each_share_against_the_copy_limit_blocks_around_the_row(monkeypatch):
+    """Bracketed (blocks=3): copy-limit, inline, copy-limit, inline, copy-limit, inline,
+    copy-limit; each inline block's copy-limit is the mean of its two neighbours', and
+    the repetition's share is its rate over the mean of those."""
+    from mploader_bench import transport
+
+    monkeypatch.setattr(transport, "last_level_cache", lambda: CacheInfo(128 << 10, 3, "test"))
+    report = transport.run(workers=1, repeats=2, seconds=0.01, sizes=("small", "tiny"), blocks=3,
+                           transports=("inline", "copy-limit"), out_dir=None, quiet=True)
+    assert not report["errors"] and not report["mismatches"]
+    assert report["config"]["blocks"] == 3
+    assert report["sizes"]["small"]["blocks"] == 3 and report["sizes"]["tiny"]["blocks"] == 0
+    runs = {(r["size"], r["transport"], r["repeat"]): r for r in report["runs"]}
+    assert len(runs) == len(report["runs"])  # one record per size, transport and repetition
+    shares = []
+    for k in range(2):
+        mine, limit = runs[("small", "inline", k)], runs[("small", "copy-limit", k)]
+        assert len(mine["blocks"]) == 3 and len(limit["blocks"]) == 4
+        assert mine["batches"] == sum(b["batches"] for b in mine["blocks"])
+        assert mine["batches_per_s"] == pytest.approx(mine["batches"] / mine["seconds"])
+        cl = [b["batches_per_s"] for b in limit["blocks"]]
+        around = [(cl[j] + cl[j + 1]) / 2 for j in range(3)]
+        assert [b["copy_limit_batches_per_s"] for b in mine["blocks"]] == pytest.approx(around)
+        assert mine["copy_limit_batches_per_s"] == pytest.approx(sum(around) / 3)
+        assert limit["batches_per_s"] == pytest.approx(limit["batches"] / limit["seconds"])
+        shares.append(mine["batches_per_s"] / mine["copy_limit_batches_per_s"])
+        assert "blocks" not in runs[("tiny", "inline", k)]
+    got = report["medians"]["small"]["inline"]["share_of_copy_limit"]
+    assert got == pytest.approx(dict(median=sum(shares) / 2, min=min(shares), max=max(shares)))
+    # collate-limit runs once per repetition, whole, after the bracketed blocks
+    assert "blocks" not in runs[("small", "collate-limit", 0)]
