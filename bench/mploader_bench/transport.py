@@ -136,6 +136,7 @@ DEFAULT_BLOCKS = 4
 
 _CALIBRATE_SECONDS = 0.1
 _MIN_BATCHES = 10
+_MIN_BLOCK_BATCHES = 32
 _MAX_BATCHES = 500_000
 _Batches = Batches  # the former private name (bench/two_collators.py)
 
@@ -474,22 +475,28 @@ def _run_case(size: str, cache: str, names: list[str], report: dict, out: _Out, 
 
         bracket = blocks if COPY_LIMIT in live and size in COPY_SHARE_SIZES else 0
         report["sizes"][case]["blocks"] = bracket
+        # a transport's blocks are epochs of at least _MIN_BLOCK_BATCHES batches (torch's
+        # large batches: one block), so that an epoch's start weighs little in each
+        fewer = {name: max(1, n // _MIN_BLOCK_BATCHES) for name, n in counts.items()
+                 if name not in LIMITS}
+        report["sizes"][case]["blocks_of"] = {name: min(bracket, k) for name, k in fewer.items()}
         step_counts = {name: n if not bracket or name == COLLATE_LIMIT else
-                       max(_MIN_BATCHES, math.ceil(n / bracket)) for name, n in counts.items()}
+                       max(_MIN_BATCHES, math.ceil(n / min(bracket, fewer.get(name, bracket))))
+                       for name, n in counts.items()}
         for rep in range(repeats):
             _repetition(rep, case, cache, live, report, errors, out, batches=batches, nbytes=nbytes,
-                        counts=step_counts, bracket=bracket, repeats=repeats, quiet=quiet)
+                        counts=step_counts, bracket=bracket, fewer=fewer, repeats=repeats, quiet=quiet)
     if not errors:
         report["errors"].pop(case)
 
 
 def _repetition(rep: int, case: str, cache: str, live: dict[str, Any], report: dict, errors: dict,
                 out: _Out, *, batches: Batches, nbytes: int, counts: dict[str, int], bracket: int,
-                repeats: int, quiet: bool) -> None:
+                fewer: dict[str, int], repeats: int, quiet: bool) -> None:
     """One repetition: the timed epochs of :func:`.transport_blocks.plan`, one record
     per transport (its blocks merged) appended to ``report["runs"]``."""
     load = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    steps = plan(list(live), copy_limit=COPY_LIMIT, unbracketed=(COLLATE_LIMIT,), blocks=bracket)
+    steps = plan(list(live), copy_limit=COPY_LIMIT, unbracketed=(COLLATE_LIMIT,), blocks=bracket, fewer=fewer)
     done: list[tuple[str, float | None]] = []
     recs: list[dict | None] = []
     failed: set[str] = set()

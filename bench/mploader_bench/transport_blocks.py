@@ -15,14 +15,14 @@ away.  collate-limit runs once, unbracketed, at the end.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = ["plan", "bracket_rate", "merge"]
 
 
 def plan(names: Sequence[str], *, copy_limit: str, unbracketed: Sequence[str] = (),
-         blocks: int = 0) -> list[str]:
+         blocks: int = 0, fewer: Mapping[str, int] | None = None) -> list[str]:
     """The order of one repetition's timed epochs.
 
     Parameters
@@ -37,6 +37,9 @@ def plan(names: Sequence[str], *, copy_limit: str, unbracketed: Sequence[str] = 
     blocks : int, optional
         Epochs per transport, each with a copy-limit block before it (and one after
         the last); 0 (or no `copy_limit` in `names`): every name once, in order.
+    fewer : mapping of str to int, optional
+        Names that get fewer blocks than `blocks` (at least 1 each): a slow
+        transport whose epochs would be too short to hide an epoch's start.
 
     Returns
     -------
@@ -56,7 +59,7 @@ def plan(names: Sequence[str], *, copy_limit: str, unbracketed: Sequence[str] = 
     for name in names:
         if name == copy_limit or name in unbracketed:
             continue
-        for _ in range(blocks):
+        for _ in range(max(1, min(blocks, (fewer or {}).get(name, blocks)))):
             steps += [copy_limit, name]
     if steps:
         steps.append(copy_limit)

@@ -15,6 +15,12 @@ def test_plan_brackets_every_block_of_every_transport_between_copy_limit_blocks(
     assert got == [CL, "a", CL, "a", CL, "b", CL, "b", CL, "collate"]
 
 
+def test_plan_gives_a_slow_transport_fewer_blocks():
+    got = plan(["a", "slow", CL], copy_limit=CL, blocks=3, fewer={"slow": 1, "a": 7})
+    assert got == [CL, "a", CL, "a", CL, "a", CL, "slow", CL]
+    assert plan(["slow", CL], copy_limit=CL, blocks=2, fewer={"slow": 0}) == [CL, "slow", CL]
+
+
 @pytest.mark.parametrize("names, blocks, want", [
     (["a", CL, "collate"], 0, ["a", CL, "collate"]),  # blocks=0: the former order
     (["a", "collate"], 3, ["a", "collate"]),  # no copy-limit: nothing to bracket with

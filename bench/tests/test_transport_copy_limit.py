@@ -95,11 +95,13 @@ def test_suite_takes_each_share_against_the_copy_limit_blocks_around_the_row(mon
     from mploader_bench import transport
 
     monkeypatch.setattr(transport, "last_level_cache", lambda: CacheInfo(128 << 10, 3, "test"))
+    monkeypatch.setattr(transport, "_MIN_BLOCK_BATCHES", 1)  # 3 blocks even of 10-batch runs
     report = transport.run(workers=1, repeats=2, seconds=0.01, sizes=("small", "tiny"), blocks=3,
                            transports=("inline", "copy-limit"), out_dir=None, quiet=True)
     assert not report["errors"] and not report["mismatches"]
     assert report["config"]["blocks"] == 3
     assert report["sizes"]["small"]["blocks"] == 3 and report["sizes"]["tiny"]["blocks"] == 0
+    assert report["sizes"]["small"]["blocks_of"] == {"inline": 3}
     runs = {(r["size"], r["transport"], r["repeat"]): r for r in report["runs"]}
     assert len(runs) == len(report["runs"])  # one record per size, transport and repetition
     shares = []
