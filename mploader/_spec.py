@@ -82,7 +82,10 @@ class _Hooks:
         return None
 
     def _reduce(self, obj: Any, by_value_main: bool) -> Any:
-        """A reduction of ours for ``obj``, or None."""
+        """A reduction of ours for ``obj``, or None.  Notes the modules a worker needs:
+        those of classes and functions pickled by reference, of modules (cloudpickle
+        pickles a function's global ``torch`` as a reference to the module) and of
+        objects whose reduction names no class (``torch.float32``)."""
         if isinstance(obj, (type, types.FunctionType)):
             module = getattr(obj, "__module__", None)
             if isinstance(module, str):
@@ -90,6 +93,12 @@ class _Hooks:
                     raise _ByValue(obj)
                 self.modules.add(module)
             return None
+        if isinstance(obj, types.ModuleType):
+            self.modules.add(obj.__name__)
+            return None
+        module = type(obj).__module__
+        if module != "builtins" and isinstance(module, str):
+            self.modules.add(module)
         if isinstance(obj, np.ndarray):
             return _memmap_reduce(obj)
         torch = sys.modules.get("torch")

@@ -25,7 +25,15 @@ Tensors of a dtype NumPy lacks (bfloat16, complex32, float8 ...) travel as array
 of a one-field structured dtype named ``torch.<dtype>`` over an integer of the same
 size (:func:`raw_dtype`).
 
-Only :mod:`mploader.torch` imports this module (it imports torch).
+The module imports torch lazily (docs/design.md, "Workers"): a spawn/forkserver
+worker of a NumPy-only dataset never imports it.  Until torch is imported in the
+process (:func:`bind`, run at once where torch already is, else by
+:mod:`mploader._torch_worker`'s import hook right after torch's own import, before any
+user code can touch torch), no sample can be a tensor, and NumPy samples are collated
+without it: what collation must know of torch -- which NumPy dtypes and scalar types
+it takes as they are -- comes from the parent (:func:`numpy_facts`, :func:`learn`).
+The rare NumPy paths whose result or error only torch can give (ragged or mixed
+arrays, mixed numbers) import it (:func:`_need_torch`).
 """
 from __future__ import annotations
 
@@ -34,14 +42,20 @@ import copy
 import io
 import pickle
 import re
+import sys
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch.utils.data._utils import collate as _torch_collate
 
 from . import _columns
+
+if TYPE_CHECKING:
+    import torch
+    from torch.utils.data._utils import collate as _torch_collate
+else:
+    torch = _torch_collate = None   # bound by bind() once torch is imported in this process
 
 #: ``alloc(shape, dtype) -> ndarray``: a writable, C-contiguous array (a slot view in a worker).
 Alloc = Callable[[tuple, Any], np.ndarray]
@@ -53,21 +67,21 @@ _NESTED_MSG = ("Batches of nested tensors are not currently supported by the def
                "please provide a custom collate_fn to handle them appropriately.")
 _SPARSE_MSG = ("Batches of sparse tensors are not currently supported by the default collate_fn; "
                "please provide a custom collate_fn to handle them appropriately.")
-_SPARSE = {torch.sparse_coo, torch.sparse_csr, torch.sparse_bsr, torch.sparse_csc, torch.sparse_bsc}
+#: torch's message for a non-writable array (tensor_numpy.cpp), for a worker without torch.
+_NOT_WRITABLE = ("The given NumPy array is not writable, and PyTorch does not support non-writable tensors. "
+                 "This means writing to this tensor will result in undefined behavior. You may want to copy "
+                 "the array to protect its data or make it writable before converting it to a tensor. This "
+                 "type of warning will be suppressed for the rest of this program.")
 
+# What this module knows of torch: filled by bind() (the sets and dicts are updated in
+# place, never rebound), the two NumPy facts also by learn() in a worker without torch.
+_SPARSE: set = set()
 #: torch dtype -> the NumPy dtype ``Tensor.numpy()`` gives (those with an equivalent).
 _NP_OF: dict[torch.dtype, np.dtype] = {}
-for _name in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64",
-              "complex64", "complex128", "uint16", "uint32", "uint64"):
-    _td = getattr(torch, _name, None)
-    if _td is not None:
-        try:
-            _NP_OF[_td] = torch.empty(0, dtype=_td).numpy().dtype
-        except (TypeError, RuntimeError):  # pragma: no cover - older torch without numpy support for it
-            pass
 #: Integer stand-ins of the same item size, for dtypes NumPy lacks (bfloat16, complex32, float8 ...).
-_RAW_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_NP_TYPES_TORCH_TAKES = frozenset(_NP_OF.values())
+_RAW_OF_SIZE: dict[int, torch.dtype] = {}
+#: The NumPy dtypes torch has a dtype for (``torch.as_tensor`` shares their memory).
+_NP_TYPES_TORCH_TAKES: set[np.dtype] = set()
 #: Array types stacked with NumPy directly (memory-mapped datasets give np.memmap rows).
 _PLAIN_ARRAYS = frozenset((np.ndarray, np.memmap))
 
@@ -208,12 +222,16 @@ def _rebuild(obj: Any, items: list) -> Any:
 # default_collate, into the slot
 # ---------------------------------------------------------------------------
 
-_STOCK_MAP = dict(_torch_collate.default_collate_fn_map)
+#: ``default_collate_fn_map`` as torch made it (taken by bind(), before user code runs).
+_STOCK_MAP: dict = {}
 
 
 def stock_default_collate() -> bool:
     """Whether ``default_collate_fn_map`` is torch's own (users may extend it in place;
-    then the face calls ``default_collate`` itself and packs its result)."""
+    then the face calls ``default_collate`` itself and packs its result); True where
+    torch is not imported (no user code can have extended it)."""
+    if _torch_collate is None:
+        return True
     current = _torch_collate.default_collate_fn_map
     return len(current) == len(_STOCK_MAP) and all(current.get(k) is f for k, f in _STOCK_MAP.items())
 
@@ -235,7 +253,7 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
     elem_type = type(elem)
     if elem_type is tuple:   # the commonest sample, (image, label): torch's Sequence branch
         return _collate_sequence(batch, alloc)
-    if isinstance(elem, torch.Tensor):
+    if torch is not None and isinstance(elem, torch.Tensor):
         return _stack_tensors(batch, alloc)
     if isinstance(elem, np.ndarray):
         if _STR_OBJ.search(elem.dtype.str) is not None:
@@ -248,7 +266,7 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
                 or (set(map(type, batch)) <= _PLAIN_ARRAYS and len({b.shape for b in batch}) == 1
                     and len({b.dtype for b in batch}) == 1)):
             if not elem.flags.writeable:  # torch's own warning about it (once per process), as torch.as_tensor
-                torch.as_tensor(elem)
+                _not_writable(elem)
             out = alloc((len(batch),) + shape, dtype)
             if out.size:
                 if shape and _columns.copy_rows(batch if type(batch) is list else list(batch), out):
@@ -260,7 +278,8 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
                     for i, b in enumerate(batch):
                         out[i] = b
             return out
-        return _stack_tensors([torch.as_tensor(b) for b in batch], alloc)
+        t = _need_torch()
+        return _stack_tensors([t.as_tensor(b) for b in batch], alloc)
     if isinstance(elem, (np.bool_, np.number, np.object_)):
         if elem_type in _SCALARS_AS_THEIR_DTYPE:
             column = batch if type(batch) is list else list(batch)
@@ -269,15 +288,19 @@ def collate_into(batch: Any, alloc: Alloc) -> Any:
                 out = alloc((len(column),), number_dtype)
                 _columns.fill_numbers(column, out)
                 return out
-        return _into(torch.as_tensor(batch), alloc)
+        return _into(_need_torch().as_tensor(batch), alloc)
     if isinstance(elem, float):
         if set(map(type, batch)) == _FLOAT:
             return _numbers_into(batch, np.float64, alloc)
-        return _into(torch.tensor(batch, dtype=torch.float64), alloc)
+        t = _need_torch()
+        return _into(t.tensor(batch, dtype=t.float64), alloc)
     if isinstance(elem, int):
-        if set(map(type, batch)) == _INT and _INT64_MIN <= min(batch) and max(batch) <= _INT64_MAX:
+        kinds = set(map(type, batch))
+        if kinds == _INT and _INT64_MIN <= min(batch) and max(batch) <= _INT64_MAX:
             return _numbers_into(batch, np.int64, alloc)  # torch.tensor of ints: int64
-        return _into(torch.tensor(batch), alloc)
+        if kinds == _BOOL:
+            return _numbers_into(batch, np.bool_, alloc)  # torch.tensor of bools: bool
+        return _into(_need_torch().tensor(batch), alloc)
     if isinstance(elem, (str, bytes)):
         return batch
     if isinstance(elem, collections.abc.Mapping):
@@ -326,7 +349,7 @@ def _same_sequence(like: Any, items: list) -> Any:
 
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_INT, _FLOAT = {int}, {float}
+_INT, _FLOAT, _BOOL = {int}, {float}, {bool}
 
 
 def _scalars_as_their_dtype() -> frozenset:
@@ -345,7 +368,84 @@ def _scalars_as_their_dtype() -> frozenset:
     return frozenset(ok)
 
 
-_SCALARS_AS_THEIR_DTYPE = _scalars_as_their_dtype()
+_SCALARS_AS_THEIR_DTYPE: set[type] = set()
+
+
+def bind() -> None:
+    """Bind this module to torch, imported in this process (a no-op once bound): the
+    module's ``torch``, the stock ``default_collate_fn_map`` and the dtype tables.
+    Runs at this module's import where torch is already imported, else right after
+    torch's own import (:mod:`mploader._torch_worker`'s hook), before user code could
+    extend the map."""
+    global torch, _torch_collate
+    if torch is not None:
+        return
+    import torch as t
+    from torch.utils.data._utils import collate as c
+
+    np_of = {}
+    for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64",
+                 "complex64", "complex128", "uint16", "uint32", "uint64"):
+        td = getattr(t, name, None)
+        if td is not None:
+            try:
+                np_of[td] = t.empty(0, dtype=td).numpy().dtype
+            except (TypeError, RuntimeError):  # pragma: no cover - older torch without numpy support for it
+                pass
+    _STOCK_MAP.update(c.default_collate_fn_map)
+    _SPARSE.update((t.sparse_coo, t.sparse_csr, t.sparse_bsr, t.sparse_csc, t.sparse_bsc))
+    _NP_OF.update(np_of)
+    _RAW_OF_SIZE.update({1: t.uint8, 2: t.int16, 4: t.int32, 8: t.int64})
+    torch, _torch_collate = t, c
+    learn((frozenset(np_of.values()), _scalars_as_their_dtype()))
+
+
+def numpy_facts() -> tuple[frozenset, frozenset]:
+    """What collating NumPy samples needs to know of torch (the process must have
+    bound it): the NumPy dtypes torch takes as they are, and the NumPy scalar types
+    whose lists ``torch.as_tensor`` keeps in their dtype.  The parent sends them to
+    its workers (:func:`learn`), which then need no torch for NumPy samples."""
+    bind()
+    return frozenset(_NP_TYPES_TORCH_TAKES), frozenset(_SCALARS_AS_THEIR_DTYPE)
+
+
+def learn(facts: tuple[frozenset, frozenset]) -> None:
+    """Adopt :func:`numpy_facts` of the parent's torch (the same installation)."""
+    _NP_TYPES_TORCH_TAKES.clear()
+    _NP_TYPES_TORCH_TAKES.update(facts[0])
+    _SCALARS_AS_THEIR_DTYPE.clear()
+    _SCALARS_AS_THEIR_DTYPE.update(facts[1])
+
+
+def _need_torch() -> Any:
+    """torch, imported now if it was not (a NumPy batch whose result or error only
+    torch can give, in a worker that had no torch)."""
+    if torch is None:
+        import torch as _t  # noqa: F401 - the import hook (or the line below) binds this module
+
+        bind()
+    return torch
+
+
+class _Warned:
+    not_writable = False   # torch's non-writable warning was given (it gives it once per process)
+
+
+def _not_writable(elem: np.ndarray) -> None:
+    """torch's warning for a non-writable array, once per process: torch's own (by
+    ``torch.as_tensor``) where torch is imported, else the same text (without torch's
+    "Triggered internally at" location)."""
+    if _Warned.not_writable:
+        return
+    _Warned.not_writable = True
+    if torch is not None:
+        torch.as_tensor(elem)
+    else:
+        warnings.warn(_NOT_WRITABLE, UserWarning, stacklevel=3)
+
+
+if "torch" in sys.modules:
+    bind()
 
 
 def _numbers_into(batch: Any, dtype: Any, alloc: Alloc) -> np.ndarray:
@@ -436,7 +536,7 @@ def plan_tensor_column(leaf: Any, out: np.ndarray, batch_size: int) -> Callable[
     same bytes with streaming stores (:func:`_stream_rows`) -- and declines when the
     first leaf is not of the plan's dtype, shape, device, layout, or when
     ``torch.stack`` raises (the generic path then raises its own error)."""
-    if (type(leaf) is not torch.Tensor or leaf.is_nested or leaf.layout != torch.strided
+    if (torch is None or type(leaf) is not torch.Tensor or leaf.is_nested or leaf.layout != torch.strided
             or leaf.device.type != "cpu" or leaf.dtype.itemsize not in _RAW_OF_SIZE):
         return None
     dtype, shape = leaf.dtype, tuple(leaf.shape)
@@ -472,12 +572,12 @@ def convert_into(data: Any) -> Any:
     str/bytes stay); anything else is returned unchanged -- torch 2.13's rules.
     """
     elem_type = type(data)
-    if isinstance(data, torch.Tensor):
+    if torch is not None and isinstance(data, torch.Tensor):
         return _array_of(data)
     if elem_type.__module__ == "numpy" and elem_type.__name__ not in ("str_", "string_"):
         if elem_type.__name__ == "ndarray" and _STR_OBJ.search(data.dtype.str) is not None:
             return data
-        return _array_of(torch.as_tensor(data))
+        return _array_of(_need_torch().as_tensor(data))
     if isinstance(data, collections.abc.Mapping):
         values = {key: convert_into(data[key]) for key in data}
         try:
@@ -509,7 +609,7 @@ class _Packer(pickle.Pickler):
 
     def persistent_id(self, obj: Any) -> Any:
         t = type(obj)
-        if t is torch.Tensor:
+        if torch is not None and t is torch.Tensor:
             if obj.layout != torch.strided or obj.is_nested or obj.is_quantized:
                 return None  # pickled as torch pickles it
             pid = self.ids.get(id(obj))

@@ -4,24 +4,124 @@ Both objects are module-level classes so that spawn/forkserver workers can unpic
 them; the engine pickles them together with the dataset (one pickle), so the
 dataset :class:`WorkerInit` publishes in ``get_worker_info()`` is the very object
 :class:`Fetch` reads from.
+
+The module imports torch lazily (issue 27, docs/design.md "Workers"): a
+spawn/forkserver worker whose dataset, ``collate_fn`` and ``worker_init_fn`` need no
+torch is forked from a zygote that never imported it, and runs without it.  What
+torch's worker does to torch (one thread, ``manual_seed``, ``get_worker_info()``, a
+resumed RNG state) is then done by :class:`_TorchImportHook` right after torch's own
+import, if user code ever imports it, before that code gets torch back: nothing can
+have drawn from torch's generator before torch existed, so the state is the one
+eager seeding gives.
 """
 from __future__ import annotations
 
+import importlib.abc
 import random
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
-from torch.utils.data import IterableDataset
-from torch.utils.data._utils import worker as _torch_worker
 
 from . import _rng_state
+from . import _torch_collate as _tc
 from . import _worker as _mpl_worker
 from ._face import Face
 from ._torch_collate import collate_into, convert_into, pack, plan_tensor_column, stock_default_collate
 
 _MASK32 = 0xFFFFFFFF
+
+
+def _torch() -> Any:
+    """torch, where this process has imported it (completely), else None."""
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and hasattr(torch, "default_generator") else None
+
+
+class _Loader(importlib.abc.Loader):
+    """torch's own loader, and :meth:`_TorchImportHook.fired` right after it executed
+    the module (the loader, spec and ``__loader__`` are torch's again by then)."""
+
+    def __init__(self, loader: Any, hook: _TorchImportHook) -> None:
+        self.loader = loader
+        self.hook = hook
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        try:
+            self.loader.exec_module(module)
+        finally:
+            if getattr(module, "__loader__", None) is self:
+                module.__loader__ = self.loader
+            spec = getattr(module, "__spec__", None)
+            if spec is not None and spec.loader is self:
+                spec.loader = self.loader
+        self.hook.fired()
+
+    def __getattr__(self, name: str) -> Any:   # (get_resource_reader, is_package ...)
+        return getattr(self.loader, name)
+
+
+class _TorchImportHook(importlib.abc.MetaPathFinder):
+    """A ``sys.meta_path`` finder that wraps torch's loader so that, right after
+    torch's ``__init__`` ran and before the importing code gets the module, this
+    module is bound to torch (:func:`mploader._torch_collate.bind`: the stock collate
+    map, taken before user code can extend it) and the worker's torch start-up
+    (``then``) runs.  It removes itself once torch is imported."""
+
+    #: The one hook of this process (None: none is installed).
+    installed: _TorchImportHook | None = None
+
+    def __init__(self) -> None:
+        self.then: list[Callable[[Any], None]] = []
+
+    @classmethod
+    def ensure(cls) -> _TorchImportHook:
+        hook = cls.installed
+        if hook is None:
+            hook = cls.installed = cls()
+            sys.meta_path.insert(0, hook)
+        return hook
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != "torch":
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module") and not isinstance(spec.loader, _Loader):
+            spec.loader = _Loader(spec.loader, self)
+        return spec
+
+    def fired(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        if _TorchImportHook.installed is self:
+            _TorchImportHook.installed = None
+        torch = sys.modules["torch"]
+        _tc.bind()
+        then, self.then = self.then, []
+        for fn in then:
+            fn(torch)
+
+
+def on_torch_import(fn: Callable[[Any], None]) -> None:
+    """Call ``fn(torch)`` right after torch is imported in this process (now, if it is)."""
+    torch = _torch()
+    if torch is not None:
+        _tc.bind()
+        fn(torch)
+    else:
+        _TorchImportHook.ensure().then.append(fn)
 
 
 def numpy_seed_state(base_seed: int, worker_id: int) -> list[int]:
@@ -73,29 +173,123 @@ class WorkerInit:
     dict or None.  A worker with a state restores it after ``worker_init_fn``, so
     it goes on drawing where the saved loader's worker ``i`` stood after its last
     batch the user received.
+
+    In a worker without torch (a spawn/forkserver worker whose spec needs none) the
+    torch part waits for torch's import (:func:`on_torch_import`): one thread, the
+    ``WorkerInfo``, ``manual_seed(base_seed + worker_id)`` -- or, per batch, the
+    current batch's seed -- and a resumed state's torch part, in that order, as
+    eager seeding leaves them.  Until then the RNG states a :class:`CapturingFetch`
+    sends carry the torch state torch would have (:attr:`torch_states`, computed in
+    the parent for ``num_workers`` workers when it pickles this object; the resumed
+    state's), so a checkpoint is the same whether the worker imported torch or not.
     """
 
-    def __init__(self, dataset: Any, worker_init_fn: Callable[[int], None] | None, per_batch: bool) -> None:
+    def __init__(self, dataset: Any, worker_init_fn: Callable[[int], None] | None, per_batch: bool,
+                 num_workers: int = 0) -> None:
         self.dataset = dataset
         self.worker_init_fn = worker_init_fn
         self.per_batch = per_batch
+        self.num_workers = num_workers
         self.base_seed = 0
         self.rng_states: list[dict | None] | None = None
+        #: per worker id, torch's CPU generator state after ``manual_seed(base_seed + id)``
+        #: (``bytes``), set by :meth:`__getstate__`; None: not known (torch is then imported
+        #: eagerly where a state must be captured).
+        self.torch_states: list[bytes] | None = None
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        torch = _torch()
+        if torch is not None and not self.per_batch and self.num_workers > 0:
+            # What a worker that never imports torch reports as torch's state: where
+            # torch is, a generator seeded as the worker's would be (about 20 us each).
+            state["torch_states"] = [
+                torch.Generator().manual_seed(self.base_seed + i).get_state().numpy().tobytes()
+                for i in range(self.num_workers)]
+        return state
 
     def __call__(self, worker_id: int, num_workers: int) -> None:
-        torch.set_num_threads(1)
         seed = self.base_seed + worker_id
         if not self.per_batch:
             random.seed(seed)
-            torch.manual_seed(seed)
             np.random.seed(numpy_seed_state(self.base_seed, worker_id))
-        _torch_worker._worker_info = _torch_worker.WorkerInfo(
-            id=worker_id, num_workers=num_workers, seed=seed, dataset=self.dataset)
+        state = self.rng_states[worker_id] if self.rng_states and worker_id < len(self.rng_states) else None
+        if state is not None and self.per_batch:
+            state = None
+        lazy = _TorchStart(self, worker_id, num_workers, seed, eager=_torch() is not None)
+        if _torch() is None and not self.per_batch and self._known_torch_state(worker_id) is None:
+            _need_torch_now()   # no state to report without torch: import it (as before issue 27)
+        on_torch_import(lazy)
         if self.worker_init_fn is not None:
             self.worker_init_fn(worker_id)
-        state = self.rng_states[worker_id] if self.rng_states and worker_id < len(self.rng_states) else None
-        if state is not None and not self.per_batch:
+        if state is not None:
             _rng_state.restore(state)
+            if _torch() is None and state.get("torch") is not None:
+                restored = bytes(state["torch"])   # applied at torch's import
+                want = self._known_torch_state(worker_id)
+                if want is not None and len(restored) != len(want):   # (torch's set_state would refuse it here)
+                    raise RuntimeError(f"cannot restore worker {worker_id}'s torch RNG state: it has "
+                                       f"{len(restored)} bytes, torch's CPU generator state has {len(want)}")
+                lazy.restored = restored
+        _Pending.start = lazy if _torch() is None and not self.per_batch else None
+
+    def _known_torch_state(self, worker_id: int) -> bytes | None:
+        states = self.torch_states
+        return states[worker_id] if states is not None and worker_id < len(states) else None
+
+
+def _need_torch_now() -> None:
+    import torch  # noqa: F401 - the import hook binds it
+
+
+class _TorchStart:
+    """One worker's torch start-up (see :class:`WorkerInit`), called with torch as
+    soon as it is imported: at once where it already is."""
+
+    def __init__(self, init: WorkerInit, worker_id: int, num_workers: int, seed: int, eager: bool) -> None:
+        self.init, self.worker_id, self.num_workers, self.seed = init, worker_id, num_workers, seed
+        self.eager = eager   # torch was imported when the worker started (no batch seed to catch up on)
+        self.restored: bytes | None = None   # a resumed state's torch part, set while torch was not imported
+
+    def __call__(self, torch: Any) -> None:
+        from torch.utils.data._utils import worker as torch_worker
+
+        torch.set_num_threads(1)
+        if not self.init.per_batch:
+            torch.manual_seed(self.seed)
+            if self.restored is not None:
+                torch.default_generator.set_state(torch.frombuffer(bytearray(self.restored), dtype=torch.uint8))
+        else:
+            seed64 = _mpl_worker.seeded_with
+            if seed64 is not None and not self.eager:   # imported inside a batch: seeded as seed_rngs does
+                torch.default_generator.manual_seed(seed64 & 0x7FFFFFFFFFFFFFFF)
+        torch_worker._worker_info = torch_worker.WorkerInfo(
+            id=self.worker_id, num_workers=self.num_workers, seed=self.seed, dataset=self.init.dataset)
+        if _Pending.start is self:
+            _Pending.start = None
+
+    def torch_state(self) -> bytes:
+        """The torch state to report while torch is not imported."""
+        if self.restored is not None:
+            return self.restored
+        known = self.init._known_torch_state(self.worker_id)
+        assert known is not None   # (else WorkerInit imported torch)
+        return known
+
+
+class _Pending:
+    #: This worker's torch start-up while torch is not imported (torch-seeded workers only).
+    start: _TorchStart | None = None
+
+
+def _capture() -> bytes:
+    """:func:`mploader._rng_state.capture`, with the torch state torch would have
+    where it is not imported."""
+    blob = _rng_state.capture()
+    start = _Pending.start
+    if start is not None and _torch() is None:
+        blob += start.torch_state()
+    return blob
 
 
 #: What a worker's payload is (the second item of a :class:`Fetch` batch).
@@ -146,8 +340,25 @@ class Fetch(Face):
         self._iter: Any = None
         self._ended = False
 
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        if self.mode == DEFAULT:
+            # torch's default_collate is this module's to find (by reference it would make
+            # the zygote import torch for a NumPy dataset); CONVERT keeps default_convert:
+            # converting NumPy samples needs torch, so the zygote imports it before the fork
+            state["collate_fn"] = None
+        if _torch() is not None:
+            state["_numpy_facts"] = _tc.numpy_facts()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        facts = state.pop("_numpy_facts", None)
+        if facts is not None and _tc.torch is None:
+            _tc.learn(facts)
+        self.__dict__.update(state)
+
     def load(self, dataset: Any, indices: Any) -> Any:
-        if isinstance(dataset, IterableDataset):
+        if _iterable(dataset):
             return self._next_samples(dataset, indices)   # (_END when the replica has no batch left)
         if self.auto_collation:
             return _map_samples(dataset, indices)
@@ -161,10 +372,13 @@ class Fetch(Face):
             return collate_into(samples, alloc)
         if self.mode == CONVERT:
             return convert_into(samples)
-        return _Packed(pack(self.collate_fn(samples)))
+        collate_fn = self.collate_fn
+        if collate_fn is None:   # DEFAULT, with default_collate_fn_map extended: torch is imported
+            collate_fn = _tc.torch.utils.data.default_collate
+        return _Packed(pack(collate_fn(samples)))
 
     def plannable(self, dataset: Any, samples: Any) -> bool:
-        return (self.mode == DEFAULT and self.auto_collation and not isinstance(dataset, IterableDataset)
+        return (self.mode == DEFAULT and self.auto_collation and not _iterable(dataset)
                 and stock_default_collate())
 
     def wrap(self, collated: Any) -> tuple[Any, int]:
@@ -229,7 +443,7 @@ class CapturingFetch(Fetch):
         whether they reach the parent depends on the exception: the next batch sends them."""
         self._sent = None
         try:
-            exc.mploader_rng = _rng_state.capture()  # type: ignore[attr-defined]
+            exc.mploader_rng = _capture()  # type: ignore[attr-defined]
         except Exception:  # noqa: BLE001 - an exception type without attributes: the state is not known
             pass
 
@@ -251,7 +465,16 @@ class CapturingFetch(Fetch):
     def side(self) -> bytes | None:
         # Taken after collation, which may draw too, or, for a plannable batch, before
         # it: torch's own default_collate (the only rule with plans) draws nothing.
-        rng = _rng_state.capture_if_changed(self._sent)
+        start = _Pending.start
+        if start is not None and _torch() is None:   # torch's state: the one it would have (WorkerInit)
+            tail = start.torch_state()
+            last = self._sent
+            head = last[:-len(tail)] if last is not None and last.endswith(tail) else None
+            rng = _rng_state.capture_if_changed(head) if head is not None else _rng_state.capture()
+            if rng is not None:
+                rng += tail
+        else:
+            rng = _rng_state.capture_if_changed(self._sent)
         if rng is not None:
             self._sent = rng
         return rng
@@ -270,9 +493,22 @@ class _Packed:
 _END = object()
 
 
+def _iterable(dataset: Any) -> bool:
+    """Whether ``dataset`` is a torch ``IterableDataset`` (never, where torch's
+    dataset module is not imported)."""
+    module = sys.modules.get("torch.utils.data.dataset")
+    return module is not None and isinstance(dataset, module.IterableDataset)
+
+
 def _map_samples(dataset: Any, indices: Any) -> Any:
     """A map-style dataset's samples of one batch, as torch's ``_MapDatasetFetcher``:
     ``dataset.__getitems__(indices)`` when the dataset has it, else one
     ``dataset[i]`` per index."""
     getitems = getattr(dataset, "__getitems__", None)
     return getitems(indices) if getitems else [dataset[i] for i in indices]
+
+
+if _torch() is None:
+    # A zygote or a worker without torch: bind _torch_collate at torch's import, if any,
+    # before a user module imported with it can extend default_collate_fn_map.
+    _TorchImportHook.ensure()

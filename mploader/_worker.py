@@ -44,6 +44,10 @@ def batch_seed(seed: int, epoch: int, batch_index: int) -> int:
     return _splitmix(_splitmix(_splitmix(seed & _MASK64) ^ (epoch & _MASK64)) ^ (batch_index & _MASK64))
 
 
+#: The batch seed :func:`seed_rngs` last applied in this process (None: none yet).
+seeded_with: int | None = None
+
+
 def seed_rngs(seed64: int) -> None:
     """Seed ``random``, NumPy's global RNG and (if already imported) torch's from one
     64-bit batch seed (docs/design.md, "Per-batch seeding").
@@ -54,6 +58,8 @@ def seed_rngs(seed64: int) -> None:
     and ``np.random.set_state`` -- the same state); torch's CPU generator gets
     ``manual_seed(seed64 & (2**63 - 1))``.  The states are a pure function of
     ``seed64``, so every worker, either path and the in-process loaders agree."""
+    global seeded_with
+    seeded_with = seed64   # (torch imported later in this batch is seeded from it: _torch_worker)
     _rng_state.seed(seed64)
     torch = sys.modules.get("torch")
     if torch is not None and hasattr(torch, "default_generator"):  # not a half-imported torch

@@ -3,9 +3,10 @@
 One zygote per parent process, started when the first loader whose workers come
 from it is constructed (:func:`warm_for_loader`; at the latest at its first worker,
 or earlier by :func:`warm`): a fresh interpreter (``sys.executable``, the parent's
-``sys.path``), single-threaded, that imports NumPy, mploader's worker modules,
-torch if the parent imported it, and -- before each fork -- the modules the
-loader's dataset, ``fetch`` and ``worker_init`` come from.  It never runs user code
+``sys.path``), single-threaded, that imports NumPy, mploader's worker modules (not
+torch: the torch face's workers import it only at need), and -- before each fork --
+the modules the loader's dataset, ``fetch`` and ``worker_init`` come from (torch
+among them where they need it).  It never runs user code
 besides those imports.
 
 * The parent asks for a worker over a ``SOCK_SEQPACKET`` socket: one message, the
@@ -148,17 +149,21 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _preload(extra: Iterable[str] = ()) -> list[str]:
+    """What a new zygote imports: NumPy, the torch face's worker module where this
+    process uses the torch face (it imports torch only at need), and ``extra``.  Not
+    torch itself, even where this process imported it: a NumPy dataset's workers never
+    need it (1.2 s of the first loader's start, issue 27); a loader whose dataset,
+    ``collate_fn`` or ``worker_init_fn`` comes from a module that imports torch, or
+    whose pickle names torch, has it imported before its workers are forked."""
     mods = ["numpy"]
-    if "torch" in sys.modules:
-        mods.append("torch")
     if "mploader.torch" in sys.modules:
-        mods.append("mploader.torch")
+        mods.append("mploader._torch_worker")
     return mods + [m for m in extra if m not in mods]
 
 
 def _start(extra: Iterable[str] = ()) -> None:
     """Start this process's zygote (the caller holds the lock), preloading ``extra``
-    modules besides NumPy, torch and mploader's (:func:`_preload`)."""
+    modules besides NumPy and mploader's (:func:`_preload`)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         ours_fd = _fds.off_stdio(ours.detach())
@@ -200,8 +205,8 @@ def _ensure(extra: Iterable[str] = ()) -> socket.socket:
 
 def warm(modules: Iterable[str] = ()) -> None:
     """Start this process's zygote now, if it is not running (it then preloads NumPy,
-    torch if imported here, and ``modules`` while this process goes on); a no-op where
-    the zygote is turned off.
+    mploader's worker modules and ``modules`` while this process goes on); a no-op
+    where the zygote is turned off.
 
     Raises
     ------
@@ -232,8 +237,9 @@ def warm_for_loader(context: Any, num_workers: int, objects: Iterable[Any] = ())
     :func:`loader_start_method`), so that its imports (torch: about a second) overlap
     what the user does between constructing the loader and its first ``iter()``.
     The zygote then also preloads the modules that ``objects`` (the dataset,
-    ``collate_fn``, ``worker_init_fn``; None is skipped) or their classes come from,
-    ``__main__`` excepted, as it would before the first worker.
+    ``collate_fn``, ``worker_init_fn``; None is skipped), their classes or those
+    classes' bases come from, ``__main__`` excepted, as it would before the first
+    worker (a dataset class defined in a script, on torch's ``Dataset``: torch).
 
     Returns whether a zygote is running now.  Never raises for the zygote's start: a
     start that fails here (no process or descriptor left) is tried again, and
@@ -253,7 +259,9 @@ def warm_for_loader(context: Any, num_workers: int, objects: Iterable[Any] = ())
     for obj in objects:
         if obj is None:
             continue
-        for m in (getattr(obj, "__module__", None), type(obj).__module__):   # a function's, a class's
+        named = [getattr(obj, "__module__", None)]   # a function's
+        named += [getattr(cls, "__module__", None) for cls in type(obj).__mro__]   # its class's and their bases'
+        for m in named:
             if isinstance(m, str) and m not in ("__main__", "builtins") and m not in modules:
                 modules.append(m)
     try:

@@ -280,7 +280,8 @@ class DataLoader(_TorchDataLoader[_T_co]):
             mode = CUSTOM
         fetch = (CapturingFetch if self.seed is None else Fetch)(
             mode, self.collate_fn, self._auto_collation, self.drop_last)
-        init = WorkerInit(self.dataset, self.worker_init_fn, per_batch=self.seed is not None)
+        init = WorkerInit(self.dataset, self.worker_init_fn, per_batch=self.seed is not None,
+                          num_workers=self.num_workers)
         pinner = self._mpl_pinner()
         engine = _engine.Engine(
             self.dataset, fetch, num_workers=self.num_workers,

@@ -151,6 +151,17 @@ def _children_cpu() -> tuple[list, float]:
     return kids, _cpu_of(kids)
 
 
+def _busy_cpu() -> float | None:
+    """CPU seconds the whole machine has been busy (all cores: user, nice, system,
+    irq, softirq and steal) since boot, or None without psutil."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    t = psutil.cpu_times()
+    return sum(getattr(t, f, 0.0) for f in ("user", "nice", "system", "irq", "softirq", "steal"))
+
+
 def _cpu_of(procs: list) -> float:
     import psutil
 
@@ -508,8 +519,10 @@ def _repetition(rep: int, case: str, cache: str, live: dict[str, Any], report: d
             continue
         gc.collect()
         n = counts[name]
+        busy0 = _busy_cpu()
         try:
             wall, cpu, n, wcpu = _time_epoch(t, batches.take(n), expected=batches.expected(n), workers_cpu=True)
+            busy1 = _busy_cpu()
         except Exception as exc:  # noqa: BLE001 - reported; the others still run
             _fail(report, errors, case, name, f"repeat {rep}", exc, out)
             live.pop(name).close()
@@ -521,7 +534,10 @@ def _repetition(rep: int, case: str, cache: str, live: dict[str, Any], report: d
         verdict = t.verdict() if isinstance(t, peers.Transport) else None
         rec: dict[str, Any] = dict(size=case, cache=cache, transport=name, repeat=rep, batches=n,
                                    seconds=wall, parent_cpu_s=cpu, workers_cpu_s=wcpu, batches_per_s=bps,
-                                   gb_per_s=bps * nbytes / 1e9, verdict=verdict, load_avg=load)
+                                   gb_per_s=bps * nbytes / 1e9, verdict=verdict, load_avg=load,
+                                   # CPU seconds of work outside this suite's processes meanwhile
+                                   others_cpu_s=None if busy0 is None or busy1 is None or wcpu is None
+                                   else max(0.0, busy1 - busy0 - cpu - wcpu))
         if isinstance(t, CopyLimit):
             rec["methods_batches_per_s"] = dict(t.last)
             rec["workers_cpu_s"] = None  # its processes' CPU is the copy, not a loader's
@@ -541,8 +557,11 @@ def _repetition(rep: int, case: str, cache: str, live: dict[str, Any], report: d
         around = merged.get("copy_limit_batches_per_s")
         rates.append(f"{name} {_fmt_rate(merged['batches_per_s'])}"
                      + (f" ({merged['batches_per_s'] / around:.2f} of copy-limit)" if around else ""))
+    others = [r for rs in by_name.values() for r in rs if r.get("others_cpu_s") is not None]
     if not quiet:
-        out.line(f"[{case}] repeat {rep + 1}/{repeats}: " + ", ".join(rates) + " batches/s")
+        busy = ("" if not others else f"; other work on the machine: "
+                f"{sum(r['others_cpu_s'] for r in others) / sum(r['seconds'] for r in others):.2f} cores")
+        out.line(f"[{case}] repeat {rep + 1}/{repeats}: " + ", ".join(rates) + " batches/s" + busy)
 
 
 def _paired(by: dict, case: str, name: str, ref: str) -> list[float]:
@@ -574,7 +593,9 @@ def _summarise(report: dict) -> None:
                 [r["parent_cpu_s"] / r["batches"] for r in rs]),
             workers_cpu_per_batch_s=_median(
                 [r["workers_cpu_s"] / r["batches"] for r in rs if r["workers_cpu_s"] is not None]),
-            repeats=len(rs), verdict=_most_common([r.get("verdict") for r in rs]))
+            repeats=len(rs), verdict=_most_common([r.get("verdict") for r in rs]),
+            others_cores=_spread([r["others_cpu_s"] / r["seconds"] for r in rs
+                                  if r.get("others_cpu_s") is not None and r["seconds"] > 0]))
         methods: dict[str, list[float]] = {}
         for r in rs:
             for method, rate in (r.get("methods_batches_per_s") or {}).items():

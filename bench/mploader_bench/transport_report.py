@@ -139,7 +139,13 @@ def _print_report(report: dict, out: _Out) -> None:
             out.line("  ".join(c.ljust(w) if i < 2 else c.rjust(w)
                                for i, (c, w) in enumerate(zip(r, widths))))
     for case, info in report["sizes"].items():
-        out.line(_case_line(case, info, report["medians"].get(case, {})))
+        meds = report["medians"].get(case, {})
+        out.line(_case_line(case, info, meds))
+        others = [f"{name} {_fmt_spread(m['others_cores'], lambda x: f'{x:.2f}')}"
+                  for name, m in meds.items() if m.get("others_cores")]
+        if others:
+            out.line(f"{case}: other work on the machine during the runs, cores (median (min-max) over "
+                     "repetitions): " + ", ".join(others))
     mach = report.get("machine", {})
     if mach.get("load_avg_start") or mach.get("load_avg_end"):
         def la(x: list | None) -> str:

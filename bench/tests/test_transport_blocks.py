@@ -47,7 +47,7 @@ def _rec(batches, seconds, around=None, **kw):
     bps = batches / seconds
     return dict(dict(transport="a", repeat=0, batches=batches, seconds=seconds, parent_cpu_s=0.1,
                      workers_cpu_s=0.5, batches_per_s=bps, gb_per_s=bps * 2e-3, verdict=None,
-                     copy_limit_batches_per_s=around), **kw)
+                     copy_limit_batches_per_s=around, others_cpu_s=0.3), **kw)
 
 
 def test_merge_adds_the_blocks_up_and_keeps_each():
@@ -55,6 +55,7 @@ def test_merge_adds_the_blocks_up_and_keeps_each():
     got = merge(blocks)
     assert (got["batches"], got["seconds"]) == (20, pytest.approx(0.75))
     assert got["parent_cpu_s"] == pytest.approx(0.2) and got["workers_cpu_s"] == pytest.approx(1.0)
+    assert got["others_cpu_s"] == pytest.approx(0.6)
     assert got["batches_per_s"] == pytest.approx(20 / 0.75)
     assert got["gb_per_s"] == pytest.approx(20 / 0.75 * 2e-3)
     assert got["copy_limit_batches_per_s"] == pytest.approx(50.0)
@@ -76,4 +77,5 @@ def test_merge_of_one_unbracketed_run_is_that_run():
     one = _rec(7, 0.5)
     got = merge([one])
     assert "blocks" not in got and got["workers_cpu_s"] == 0.5
+    assert merge([one, _rec(7, 0.5, others_cpu_s=None)])["others_cpu_s"] is None  # unknown in one block
     assert {k: got[k] for k in one} == pytest.approx(one)
