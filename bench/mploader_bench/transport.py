@@ -519,10 +519,10 @@ def _repetition(rep: int, case: str, cache: str, live: dict[str, Any], report: d
             continue
         gc.collect()
         n = counts[name]
-        busy0 = _busy_cpu()
+        busy0, span0 = _busy_cpu(), time.perf_counter()
         try:
             wall, cpu, n, wcpu = _time_epoch(t, batches.take(n), expected=batches.expected(n), workers_cpu=True)
-            busy1 = _busy_cpu()
+            busy1, span = _busy_cpu(), time.perf_counter() - span0
         except Exception as exc:  # noqa: BLE001 - reported; the others still run
             _fail(report, errors, case, name, f"repeat {rep}", exc, out)
             live.pop(name).close()
@@ -535,9 +535,10 @@ def _repetition(rep: int, case: str, cache: str, live: dict[str, Any], report: d
         rec: dict[str, Any] = dict(size=case, cache=cache, transport=name, repeat=rep, batches=n,
                                    seconds=wall, parent_cpu_s=cpu, workers_cpu_s=wcpu, batches_per_s=bps,
                                    gb_per_s=bps * nbytes / 1e9, verdict=verdict, load_avg=load,
-                                   # CPU seconds of work outside this suite's processes meanwhile
+                                   # CPU seconds of work outside this suite's processes meanwhile,
+                                   # over span_s (copy-limit's `seconds` is its fastest method's)
                                    others_cpu_s=None if busy0 is None or busy1 is None or wcpu is None
-                                   else max(0.0, busy1 - busy0 - cpu - wcpu))
+                                   else max(0.0, busy1 - busy0 - cpu - wcpu), span_s=span)
         if isinstance(t, CopyLimit):
             rec["methods_batches_per_s"] = dict(t.last)
             rec["workers_cpu_s"] = None  # its processes' CPU is the copy, not a loader's
@@ -560,7 +561,7 @@ def _repetition(rep: int, case: str, cache: str, live: dict[str, Any], report: d
     others = [r for rs in by_name.values() for r in rs if r.get("others_cpu_s") is not None]
     if not quiet:
         busy = ("" if not others else f"; other work on the machine: "
-                f"{sum(r['others_cpu_s'] for r in others) / sum(r['seconds'] for r in others):.2f} cores")
+                f"{sum(r['others_cpu_s'] for r in others) / sum(r['span_s'] for r in others):.2f} cores")
         out.line(f"[{case}] repeat {rep + 1}/{repeats}: " + ", ".join(rates) + " batches/s" + busy)
 
 
@@ -594,8 +595,8 @@ def _summarise(report: dict) -> None:
             workers_cpu_per_batch_s=_median(
                 [r["workers_cpu_s"] / r["batches"] for r in rs if r["workers_cpu_s"] is not None]),
             repeats=len(rs), verdict=_most_common([r.get("verdict") for r in rs]),
-            others_cores=_spread([r["others_cpu_s"] / r["seconds"] for r in rs
-                                  if r.get("others_cpu_s") is not None and r["seconds"] > 0]))
+            others_cores=_spread([r["others_cpu_s"] / r["span_s"] for r in rs
+                                  if r.get("others_cpu_s") is not None and r.get("span_s")]))
         methods: dict[str, list[float]] = {}
         for r in rs:
             for method, rate in (r.get("methods_batches_per_s") or {}).items():

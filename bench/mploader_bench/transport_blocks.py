@@ -98,7 +98,7 @@ def merge(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One repetition's record of a transport from the records of its blocks.
 
     Batches, seconds and CPU seconds (also ``others_cpu_s``: the work of other
-    processes meanwhile) add up; the rate is batches over seconds; the
+    processes meanwhile, over ``span_s`` wall seconds) add up; the rate is batches over seconds; the
     copy-limit around it (``copy_limit_batches_per_s``) is the mean of its blocks'.
     Each block is kept under ``blocks`` (batches, seconds, batches_per_s,
     copy_limit_batches_per_s).
@@ -118,7 +118,7 @@ def merge(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out = dict(first)
     for key in ("batches", "seconds", "parent_cpu_s"):
         out[key] = sum(r[key] for r in records)
-    for key in ("workers_cpu_s", "others_cpu_s"):
+    for key in ("workers_cpu_s", "others_cpu_s", "span_s"):
         xs = [r.get(key) for r in records]
         out[key] = None if any(x is None for x in xs) else sum(xs)
     out["batches_per_s"] = out["batches"] / out["seconds"]

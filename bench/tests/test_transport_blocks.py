@@ -47,7 +47,7 @@ def _rec(batches, seconds, around=None, **kw):
     bps = batches / seconds
     return dict(dict(transport="a", repeat=0, batches=batches, seconds=seconds, parent_cpu_s=0.1,
                      workers_cpu_s=0.5, batches_per_s=bps, gb_per_s=bps * 2e-3, verdict=None,
-                     copy_limit_batches_per_s=around, others_cpu_s=0.3), **kw)
+                     copy_limit_batches_per_s=around, others_cpu_s=0.3, span_s=seconds + 0.01), **kw)
 
 
 def test_merge_adds_the_blocks_up_and_keeps_each():
@@ -55,7 +55,7 @@ def test_merge_adds_the_blocks_up_and_keeps_each():
     got = merge(blocks)
     assert (got["batches"], got["seconds"]) == (20, pytest.approx(0.75))
     assert got["parent_cpu_s"] == pytest.approx(0.2) and got["workers_cpu_s"] == pytest.approx(1.0)
-    assert got["others_cpu_s"] == pytest.approx(0.6)
+    assert got["others_cpu_s"] == pytest.approx(0.6) and got["span_s"] == pytest.approx(0.77)
     assert got["batches_per_s"] == pytest.approx(20 / 0.75)
     assert got["gb_per_s"] == pytest.approx(20 / 0.75 * 2e-3)
     assert got["copy_limit_batches_per_s"] == pytest.approx(50.0)
