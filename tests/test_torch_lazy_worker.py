@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 
@@ -241,3 +242,59 @@ def test_checkpoint_rng_states_are_the_same_with_and_without_torch_in_the_worker
         assert without_flags(lazy["head"]) == without_flags(eager["head"]), late
         assert without_flags(lazy["rest"]) == without_flags(eager["rest"]), late
         assert without_flags(lazy["head"] + lazy["rest"]) == without_flags(lazy["whole"]), late
+
+
+NO_TORCH_COLLATE = textwrap.dedent('''
+    import json, pickle, sys, warnings
+    import numpy as np
+    from mploader import _torch_collate as tc
+
+    tc.learn(pickle.loads(bytes.fromhex(sys.argv[1])))   # what the parent's Fetch brings
+    ro = np.arange(6, dtype=np.float32).reshape(2, 3)
+    ro.flags.writeable = False
+    batches = {
+        "tuples": [(np.full(3, i, np.int16), i, i / 2, i % 2 == 0, "s", np.float32(i), np.int64(i)) for i in range(4)],
+        "readonly": [ro[0], ro[1]],
+        "dicts": [{"a": np.ones(2), "b": [1, 2], "c": b"x"} for _ in range(3)],
+    }
+    out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name, batch in batches.items():
+            out[name] = pickle.dumps(tc.collate_into(batch, lambda shape, dtype: np.zeros(shape, dtype))).hex()
+    print(json.dumps({"torch": "torch" in sys.modules, "warnings": [str(w.message) for w in caught], "out": out}))
+''')
+
+
+def test_numpy_collation_without_torch_is_default_collates(tmp_path):
+    """In a process without torch (a lazy worker), NumPy samples -- arrays, numbers,
+    bools, NumPy scalars, strings, dicts, read-only arrays -- collate to what torch's
+    default_collate gives, without importing torch; the read-only warning has torch's text."""
+    import pickle
+
+    import numpy as np
+    from _torch_util import as_torch_worker, assert_same_batch
+
+    from mploader import _torch_collate
+
+    script = tmp_path / "no_torch_collate.py"
+    script.write_text(NO_TORCH_COLLATE)
+    facts = pickle.dumps(_torch_collate.numpy_facts()).hex()
+    p = subprocess.run([sys.executable, str(script), facts], capture_output=True, text=True, timeout=120,
+                       cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["torch"] is False
+    assert res["warnings"] == [_torch_collate._NOT_WRITABLE]
+    ro = np.arange(6, dtype=np.float32).reshape(2, 3)
+    ro.flags.writeable = False
+    want = {
+        "tuples": [(np.full(3, i, np.int16), i, i / 2, i % 2 == 0, "s", np.float32(i), np.int64(i)) for i in range(4)],
+        "readonly": [ro[0], ro[1]],
+        "dicts": [{"a": np.ones(2), "b": [1, 2], "c": b"x"} for _ in range(3)],
+    }
+    for name, samples in want.items():
+        got = _torch_collate.to_tensors(pickle.loads(bytes.fromhex(res["out"][name])))
+        with as_torch_worker(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # (torch's own read-only warning, here in the test)
+            assert_same_batch(got, torch.utils.data.default_collate(samples), name)
