@@ -193,19 +193,22 @@ def _time_epoch(t: Any, batches: list[list[int]], *, expected: Sequence[int] | N
     BatchMismatch
         If a batch does not have its expected fingerprint.
     """
+    # The harness's copy of the batch list (Transport.epoch: lists of ints) is made
+    # before the clock starts: a sampler hands a loader its indices batch by batch.
+    epoch = None if isinstance(t, CopyLimit) else t.epoch(batches)
     kids, k0 = _children_cpu() if workers_cpu else ([], 0.0)
     c0 = time.process_time()
     t0 = time.perf_counter()
-    if isinstance(t, CopyLimit):
+    if epoch is None:
         wall = t.run(len(batches))
         t1, count = t0 + wall, len(batches)
     elif expected is None:
-        count = sum(1 for _ in t.epoch(batches))  # holds no batch past its turn
+        count = sum(1 for _ in epoch)  # holds no batch past its turn
         t1 = time.perf_counter()
     else:
         check = t.dataset.check
         count = 0
-        for batch in t.epoch(batches):
+        for batch in epoch:
             check.check(t.name, count, batch, expected[count])
             count += 1
             del batch  # holds no batch past its turn
