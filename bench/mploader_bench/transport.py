@@ -93,7 +93,7 @@ __all__ = ["SIZES", "CACHE_MODES", "TARGETS", "REFERENCE", "CollateLimit", "Copy
            "SyntheticDataset", "make_dataset", "run", "main"]
 
 SUITE = "transport"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: bracketed runs (blocks, copy_limit_batches_per_s, others_cpu_s, span_s)
 
 #: Targets for mploader, as (size, peer, minimum ratio, strict): mploader's
 #: median rate divided by the peer's must be >= (or > when strict) the minimum.
