@@ -25,6 +25,7 @@ docs/design.md, "Workers", gives the reasons.
 """
 from __future__ import annotations
 
+import errno
 import functools
 import io
 import mmap
@@ -370,6 +371,17 @@ def _equal(a: memoryview, b: memoryview, chunk_bytes: int = 1 << 20) -> bool:
     return bool(np.array_equal(x[n8:], y[n8:]))
 
 
+def _pwrite_all(fd: int, data: memoryview, offset: int, chunk_bytes: int = 64 << 20) -> None:
+    """Write all of ``data`` (a 1-D byte view) at ``offset`` of ``fd``, in pieces of
+    at most ``chunk_bytes`` (one ``pwrite`` may write less than asked)."""
+    done = 0
+    while done < data.nbytes:
+        n = os.pwrite(fd, data[done:done + chunk_bytes], offset + done)
+        if n <= 0:   # (never for a memfd; no endless loop if it were)
+            raise OSError(errno.ENOSPC, f"pwrite wrote nothing at offset {offset + done} of descriptor {fd}")
+        done += n
+
+
 class Packed:
     """A spec pickled into a memfd.
 
@@ -398,14 +410,17 @@ class Packed:
         self.map: mmap.mmap | None = None
         try:
             os.ftruncate(self.fd, self.nbytes)
-            self.map = _fds.mmap_fd(self.fd, self.nbytes)  # (its duplicate of fd: off 0..2 too)
-            _HEAD.pack_into(self.map, 0, _MAGIC, stream_at, len(stream), len(raws))
+            head = bytearray(_HEAD.size + _ENTRY.size * len(raws))
+            _HEAD.pack_into(head, 0, _MAGIC, stream_at, len(stream), len(raws))
             for i, ((at, n), named) in enumerate(zip(entries, persistent)):
-                _ENTRY.pack_into(self.map, _HEAD.size + _ENTRY.size * i, at, n, int(named))
-            with memoryview(self.map) as view:
-                for (at, n), raw in zip(entries, raws):
-                    view[at:at + n] = raw
-                view[stream_at:stream_at + len(stream)] = stream
+                _ENTRY.pack_into(head, _HEAD.size + _ENTRY.size * i, at, n, int(named))
+            # Written with pwrite, not through the mapping: no page fault and no zeroing
+            # per page (128 MiB: 60-69 ms against 99-129 ms, issue 27).
+            _pwrite_all(self.fd, memoryview(head), 0)
+            for (at, _), raw in zip(entries, raws):
+                _pwrite_all(self.fd, raw, at)
+            _pwrite_all(self.fd, memoryview(stream), stream_at)
+            self.map = _fds.mmap_fd(self.fd, self.nbytes)  # (its duplicate of fd: off 0..2 too)
         except BaseException:
             self.close()
             raise
