@@ -248,6 +248,7 @@ class Dispatch(Receive):
         uninterruptible sleep (a hard-mounted NFS read) dies only when the kernel lets
         it, and the parent must not wait for that."""
         self._pump(w, 0)
+        self.drop_staged(w)   # stuck on a batch staged for the next epoch: not loaded ahead again
         region = self.res.region
         items = []
         for t in list(w.outstanding):

@@ -18,7 +18,7 @@ import dataclasses
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from . import _memory, _ring, _spec
@@ -303,6 +303,13 @@ class Engine:
     def worker_pids(self) -> list[int]:
         return self._scheduler.worker_pids()
 
+    def staged_slots(self) -> list[int]:
+        """The ring's slots that hold the next epoch's first batches, dispatched ahead
+        while this epoch ended (docs/design.md, "No gap between epochs"): not leaked,
+        the next run takes them over or frees them."""
+        with self._lock:
+            return self._scheduler.staged_slots()
+
     def stats(self) -> dict:
         """Counters: batches, slot (fast path), fallback_inband, fallback_pipe, no_free_slot,
         grown, errors; stalls and respawns (the watchdog's: mploader._watchdog); bad_samples
@@ -369,7 +376,8 @@ class Engine:
 
     # ---- running ----
 
-    def run(self, tasks: Iterable[tuple], in_order: bool = True, tagged: bool = False) -> Run:
+    def run(self, tasks: Iterable[tuple], in_order: bool = True, tagged: bool = False,
+            lookahead: Callable[[], Iterator[tuple] | None] | None = None) -> Run:
         """An iterator over the batch of each task, ``prefetch`` in flight; in task
         order, or in completion order with ``in_order=False``.  ``tagged``: each item
         is ``(worker_id, batch_index, value, failed, side)`` -- the worker that built
@@ -380,6 +388,12 @@ class Engine:
         Starting a run supersedes the previous one: its batches in flight are
         discarded (their slots freed as they complete) and its ``next()`` raises
         RuntimeError.  See :class:`~mploader._run.Run` for the errors raised.
+
+        ``lookahead`` (no gap between epochs, docs/design.md): a callable the scheduler
+        calls once this run's tasks are all dispatched, returning the tasks the face
+        expects of its next run (an iterator, drawn from without side effects) or
+        None; their first ones are dispatched into the depth the run no longer uses,
+        and the next run takes them over only if its own first tasks are equal.
         """
         with self._lock:
             self._check_usable()
@@ -388,6 +402,8 @@ class Engine:
                 previous.abandon()
             self.ensure_workers()
             run = Run(self, self._scheduler, tasks, in_order, tagged)
+            run.lookahead = lookahead
+            run.staged = self._scheduler.take_staged(in_order, tagged)
             self._current = weakref.ref(run)  # weak: a run keeps its engine alive, not the reverse
             return run
 

@@ -52,6 +52,8 @@ class Receive:
     watchdog: Any                # mploader._watchdog.Watchdog or None
     ledger: _bad_samples.Ledger | None
     outbox: dict[Channel, None]    # the channels that hold records (pending or unsent)
+    staged: Run | None             # the next epoch's tasks dispatched ahead (Scheduler._stage)
+    dropped: list                  # weak references of runs superseded or dropped (_steps.abandon_runs)
 
     @property
     def pending(self) -> list[Channel]:
@@ -171,17 +173,39 @@ class Receive:
             if w.status is None:
                 continue
             self._pump(w, 0)  # what it sent before dying counts as delivered
+            self.drop_staged(w)
             owed = self.owed(w)
             if owed is not None and not task.published(region):
                 self._raise_dead(w, owed)
 
     def owed(self, w: Channel) -> Task | None:
-        """The first task ``w`` has not finished (the one it is loading), or None."""
+        """The first task ``w`` has not finished (the one it is loading), or None; a
+        task staged for the next epoch (``staged``) is owed to no run yet."""
         region = self.res.region
+        staged = self.staged
+        ahead = staged.inflight if staged is not None else ()
         for t in w.outstanding:
-            if not t.stale and not t.published(region):
+            if not t.stale and not t.published(region) and t not in ahead:
                 return t
         return None
+
+    def drop_staged(self, w: Channel | None = None) -> None:
+        """Abandon the tasks staged for the next epoch (their batches stale, the slots
+        freed as they complete) -- with ``w``, only if that (dead or stuck) worker holds
+        one: trouble on a batch dispatched ahead is never the current epoch's, and the
+        next epoch meets it, if at all, as it would have without the staging (a worker
+        that died idle is replaced silently; a stuck one is replaced, the batch loaded
+        when the next epoch asks for it)."""
+        staged = self.staged
+        if staged is None or (w is not None and not any(t.worker is w for t in staged.inflight)):
+            return
+        self.staged = None
+        self.stats["staged_dropped"] += len(staged.inflight)
+        # Stale, but without the workers' cancel word: the current run's tasks, dispatched
+        # before these, are below it and still wanted (a worker would publish them empty).
+        staged.superseded = True
+        self.dropped.append(staged._ref)
+        _steps.abandon_runs(self)
 
     def _raise_dead(self, w: Channel, held: Task | None = None) -> None:
         w.reap(block=True)
@@ -219,6 +243,7 @@ class Receive:
             if w.status is None and not w.reap():
                 keep.append(w)
                 continue
+            self.drop_staged(w)
             if any(not t.stale and t.generation == self.generation for t in w.outstanding):
                 keep.append(w)
                 continue
@@ -265,6 +290,11 @@ class Receive:
                              f"got {reason!r}")
         if reason == "stop":
             _steps.abandon_runs(self)
+        # Tasks dispatched ahead for the next epoch go with the workers (their run, no
+        # longer referenced, lists itself as dropped; its tasks are of the old generation).
+        staged, self.staged = self.staged, None
+        if staged is not None:
+            self.stats["staged_dropped"] += len(staged.inflight)
         workers, res.workers = res.workers, []
         stop_workers(workers, CLOSE_GRACE_S if reason == "stop" else 0)
         self.generation += 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ._channel import Task
@@ -57,7 +57,7 @@ class Run:
     """
 
     def __init__(self, engine: Any, scheduler: Any, tasks: Iterable[tuple], in_order: bool,
-                 tagged: bool = False) -> None:
+                 tagged: bool = False, staged: bool = False) -> None:
         # ``engine``: the Engine, whose public ``next_batch(run)`` takes its lock, checks
         # the process and asks the scheduler (a run keeps its engine alive); per batch
         # ``self._engine.next_batch``: two attribute lookups that CPython 3.11 specialises
@@ -78,10 +78,19 @@ class Run:
         self.exhausted = False
         self.done = False
         self.superseded = False
+        # No gap between epochs (docs/design.md): ``lookahead``, the face's prediction of
+        # the next epoch's tasks (a callable returning an iterator of them, or None), which
+        # the scheduler dispatches ahead once this run's source is exhausted; ``staged``,
+        # the run holding the tasks so dispatched before this run began, which its first
+        # fill takes over when they equal its own first tasks (Scheduler._take_over).
+        self.lookahead: Callable[[], Iterator[tuple] | None] | None = None
+        self.staged: Run | None = None
         # The scheduler's meter times next() (its counters restart with the run), and the
         # run's weak reference (self._ref) hands its batches in flight back as stale once
         # it is dropped (Scheduler.adopt).
-        self._meter, self._counts, self._ref = scheduler.adopt(self)
+        # ``staged``: this run holds tasks dispatched ahead for the next epoch (it is never
+        # iterated; the epoch's meter is not restarted for it).
+        self._meter, self._counts, self._ref = scheduler.adopt(self, staged)
 
     def __iter__(self) -> Run:
         return self
@@ -129,7 +138,13 @@ class Run:
         """Superseded (a newer run, stopped workers): the batches in flight become
         stale, and the workers skip those they have not started.  A run already
         :meth:`drained` ends instead: its ``next()`` raises StopIteration, as torch's
-        exhausted iterator does.  Called under the engine's lock."""
+        exhausted iterator does.  Tasks staged for this run and not yet taken over go
+        too (an interrupt in its sampler at its first fill keeps the run alive in the
+        exception's traceback: they would hold their slots until it is collected).
+        Called under the engine's lock."""
+        staged, self.staged = self.staged, None
+        if staged is not None:
+            self._scheduler.abandon(staged)
         if self.drained():
             self.done = True
             return

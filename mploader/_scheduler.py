@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import pickle
 import weakref
 from collections.abc import Callable
@@ -43,9 +44,17 @@ from ._receive import ANY_POLL_S, POLL_S, REASONS
 from ._run import EMPTY, Run, cancel_dropped
 from ._waiting import spin_for
 
-__all__ = ["Scheduler", "Run", "POLL_S", "ANY_POLL_S", "REASONS"]
+__all__ = ["Scheduler", "Run", "POLL_S", "ANY_POLL_S", "REASONS", "STAGE_NEXT_EPOCH", "STAGE_KEYS"]
 
 _EMPTY = EMPTY   # (the name bench/metrics_cost.py uses)
+
+#: Whether runs dispatch the next epoch's first tasks ahead where their face predicts
+#: them (docs/design.md, "No gap between epochs"); the start-up suite's A/B (a loader
+#: named ``<name>/unstaged``, bench/mploader_bench/startup.py) and the tests turn it off.
+STAGE_NEXT_EPOCH = True
+#: ``stats()`` keys of the staging: batches dispatched ahead, taken over by the next
+#: epoch, dropped (the next epoch asked for other batches, or the workers stopped).
+STAGE_KEYS = ("staged", "staged_used", "staged_dropped")
 
 
 class Scheduler(Dispatch):
@@ -91,6 +100,12 @@ class Scheduler(Dispatch):
         self.dropped: list[weakref.ref] = []
         self.runs: dict[weakref.ref, collections.deque] = {}
         self.cancels: set[weakref.ref] = set()   # runs' second references (adopt, cancel_dropped), some dead
+        # The next epoch's first tasks, dispatched ahead while the current epoch ends (a
+        # Run that is never iterated; None: nothing staged), and the run whose successor
+        # they are for: docs/design.md, "No gap between epochs" (_stage, take_staged,
+        # _take_over).
+        self.staged: Run | None = None
+        self.staged_after: weakref.ref | None = None
         self.stats: collections.Counter = collections.Counter()
         self.meter = Meter()         # input-pipeline metrics (_metrics; Run.__next__ times the waits)
         # What the ring's FREE slots hold, and the memory budget's rules (_memory)
@@ -117,7 +132,11 @@ class Scheduler(Dispatch):
         if self.memory.outliers:
             self.memory.trim_outliers()
         try:
+            if run.staged is not None:   # the run's first fill: the tasks dispatched ahead for it
+                self._take_over(run)
             self._fill(run)
+            if run.exhausted and STAGE_NEXT_EPOCH and (run.lookahead is not None or self.staged is not None):
+                self._stage(run)
             if not inflight:
                 if run.source_error is not None:
                     self._source_failed(run)
@@ -255,9 +274,119 @@ class Scheduler(Dispatch):
                 if covered is not None and covered < size:
                     self.file_bytes = covered  # the rest is not in the file yet: again next batch
 
+    # ---- no gap between epochs ----
+
+    def _stage(self, run: Run) -> None:
+        """``run``'s source is exhausted: dispatch the next epoch's first tasks, as its
+        face predicts them (``run.lookahead``), into the depth the run no longer uses --
+        only where a worker runs and a slot is FREE now (``_dispatch_ready``: no wait, no
+        worker started, never the pipe).  They belong to a run of their own
+        (``self.staged``, never iterated), which the next run takes over if its own
+        first tasks are the same (:meth:`_take_over`), and which is abandoned like any
+        other run otherwise.  A prediction that raises stages nothing more."""
+        staged = self.staged
+        if staged is None:
+            make, run.lookahead = run.lookahead, None
+            if make is None:
+                return
+            # Drawn here, at most as many as can ever be in flight: the staged run's
+            # source is then a list's iterator, which no interrupt can break (a
+            # KeyboardInterrupt inside a Python generator would finish it and be kept,
+            # with its traceback, in the staged run).
+            try:
+                source = make()
+                ahead = list(itertools.islice(source, max(self.depth, self.auto_max))) if source is not None else []
+            except Exception:  # noqa: BLE001 -- a prediction that fails only costs the gap
+                return
+            if not ahead:
+                return
+            staged = Run(self.engine, self, iter(ahead), run.in_order, run.tagged, staged=True)
+            self.staged_after = run._ref
+            self.staged = staged
+        elif self.staged_after is not run._ref:
+            return   # staged for another run's successor: left as it is until the next run
+        room = self.depth - len(run.inflight) - len(staged.inflight)
+        if room <= 0 or staged.exhausted or staged.source_error is not None:
+            return
+        if not staged.pushback:
+            _steps.pull(staged, room)   # (a list's iterator: raises nothing)
+            if not staged.pushback:
+                staged.exhausted = True
+                return
+        n = self._dispatch_ready(staged, len(staged.inflight) + room)
+        if n:
+            self.stats["staged"] += n
+            if self.outbox:
+                self._send_pending()
+
+    def take_staged(self, in_order: bool, tagged: bool) -> Run | None:
+        """The tasks dispatched ahead (a run never iterated), for a new run with these
+        flags to take over at its first fill; None when nothing was staged.  Staged
+        tasks of another kind of run are abandoned now."""
+        staged, self.staged = self.staged, None
+        self.staged_after = None
+        if staged is None:
+            return None
+        if (staged.in_order, staged.tagged) != (in_order, tagged):
+            self.stats["staged_dropped"] += len(staged.inflight)
+            self.abandon(staged)
+            return None
+        return staged
+
+    def staged_slots(self) -> list[int]:
+        """The slots of the tasks dispatched ahead for the next epoch (ASSIGNED while
+        a worker loads them, READY once it published them), in dispatch order.  Stale
+        batches already published (a staging dropped while no run steps this engine:
+        e.g. its run left in an interrupt's traceback) are freed first, as the next
+        step would."""
+        self._reap_stale()
+        staged = self.staged
+        return [t.slot for t in staged.inflight if t.slot >= 0] if staged is not None else []
+
+    def _take_over(self, run: Run) -> None:
+        """``run``'s first fill, with tasks staged for it (``run.staged``): they are
+        compared with ``run``'s own first tasks (pulled now into ``run.pushback``, as
+        many as the fill would pull), and when every one is equal -- same epoch, batch index,
+        indices and worker -- they become ``run``'s in one step (``_steps.adopt``).
+        Otherwise none is: the staged run is abandoned (its batches stale, their slots
+        freed as they complete, the workers skip those not begun) and ``run`` dispatches
+        its own tasks as usual.  So a run never gets a batch other than the one its own
+        task asks for, nor out of its order.  Repeated harmlessly after an interrupt."""
+        staged = run.staged
+        assert staged is not None
+        tasks = staged.inflight
+        k = len(tasks)
+        generation = self.generation
+        same = k > 0 and all(t.generation == generation and not t.stale and not t.consumed for t in tasks)
+        if same:
+            # As many as the first fill pulls without staging (the depth): a sampler's
+            # side effects follow its pulls (torch's RandomSampler draws once more at the
+            # end of its pass), so the pulls are the same with the staging or without.
+            missing = max(k, self.depth - len(run.inflight)) - len(run.pushback)
+            if missing > 0 and not run.exhausted and run.source_error is None:
+                try:
+                    _steps.pull(run, missing)
+                except BaseException:
+                    # The sampler raised (a Ctrl-C in it): this pass cannot go on, and its
+                    # exception's traceback may keep the run alive -- the staged tasks must
+                    # not stay with it, holding their slots.
+                    run.staged = None
+                    self.stats["staged_dropped"] += len(tasks)
+                    self.abandon(staged)
+                    raise
+            pushback = run.pushback
+            same = len(pushback) >= k and all(_same_task(pushback[i], tasks[i].source) for i in range(k))
+        if same:
+            _steps.adopt(run, staged)
+            self.stats["staged_used"] += k
+        run.staged = None
+        if tasks:
+            self.stats["staged_dropped"] += len(tasks)
+            self.abandon(staged)
+
     # ---- runs ----
 
-    def adopt(self, run: Run) -> tuple[Meter, collections.Counter, weakref.ref]:
+    def adopt(self, run: Run, staged: bool = False) -> tuple[Meter, collections.Counter, weakref.ref]:
         """A new run: the epoch's meter restarts, and the run is followed so that, dropped
         mid-epoch, it hands its batches in flight back as stale (their slots freed as they
         complete): its death appends its weak reference to ``dropped`` (a C call: nothing
@@ -265,8 +394,11 @@ class Scheduler(Dispatch):
         second reference, whose callback holds neither the run nor the scheduler, tells
         the workers at once to skip its tasks they have not started (only speeds things
         up; the dead ones are pruned here).  Returns what ``Run.__next__`` uses: the
-        meter, the counters, and the run's first weak reference (for :meth:`abandon`)."""
-        self.meter.begin_epoch()
+        meter, the counters, and the run's first weak reference (for :meth:`abandon`).
+        ``staged``: a run of tasks dispatched ahead (:meth:`_stage`): the epoch's meter
+        goes on."""
+        if not staged:
+            self.meter.begin_epoch()
         ref = weakref.ref(run, self.dropped.append)
         self.runs[ref] = run.inflight
         cancels = self.cancels
@@ -301,7 +433,9 @@ class Scheduler(Dispatch):
             self.meter.busy = busy
 
     def close(self) -> None:
-        """The engine closes: the batches of abandoned runs are forgotten."""
+        """The engine closes: the batches of abandoned runs are forgotten, and so is
+        what was staged for the next epoch."""
+        self.staged = self.staged_after = None
         self.stale.clear()
 
     def set_report(self, report: Callable[[], None] | None, every_s: float) -> None:
@@ -326,6 +460,8 @@ class Scheduler(Dispatch):
         reading racing an update is off by one batch)."""
         counts = self.stats
         out: dict[str, Any] = {k: counts.get(k, 0) for k in COUNTER_KEYS}
+        for k in STAGE_KEYS:   # (no gap between epochs: batches dispatched ahead, taken over, dropped)
+            out[k] = counts.get(k, 0)
         region = self.res.region
         out["num_slots"] = self.engine.num_slots
         out["shm_bytes"] = region.file_bytes if region is not None else 0
@@ -387,6 +523,15 @@ class Scheduler(Dispatch):
             if t.box:
                 held -= 1
         return ready, max(0, held)
+
+
+def _same_task(a: Any, b: Any) -> bool:
+    """Whether two task tuples are equal (one whose ``==`` is not a plain truth value,
+    such as a tuple holding an array, is taken as different)."""
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 -- an elementwise ==: not taken over
+        return False
 
 
 def _failure_exception(failure: Any) -> BaseException:

@@ -295,3 +295,17 @@ def abandon_runs(sched):
                     stale.append(t)
             inflight.clear()
         dropped.pop()
+
+
+def adopt(run, staged):
+    """A new run takes over the tasks its engine dispatched ahead for it (``staged``:
+    the run of the next epoch's first tasks, each one found equal to the head of
+    ``run.pushback``, the new run's own pulls), in one step: every task of
+    ``staged.inflight`` moves, in order, to ``run.inflight``, and as many items leave
+    the head of ``run.pushback`` (docs/design.md, "No gap between epochs")."""
+    src = staged.inflight
+    dst = run.inflight
+    pushback = run.pushback
+    while src:
+        dst.append(src.popleft())
+        pushback.popleft()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -13,7 +14,7 @@ from ._executors import START_METHODS
 from ._face import Face
 from ._options import LoaderOptions, check_callable, check_choice, check_dataset, check_int
 from .batchify import collate
-from .sampler import BatchSampler, RandomSampler, SequentialSampler
+from .sampler import BatchSampler, RandomSampler, SequentialSampler, next_pass
 
 _LAST_BATCH = ("keep", "discard", "rollover")
 
@@ -260,7 +261,8 @@ class DataLoader:
                 # training loop): this one runs on workers of its own, stopped when it
                 # ends, and the other goes on undisturbed (docs/faces.md, "Gluon").
                 engine = own = self._new_engine()[0]
-            gen = engine.run(tasks)
+            gen = engine.run(tasks, lookahead=None if own is not None else
+                             functools.partial(_next_tasks, weakref.ref(self)))
         elif options.thread_pool and options.num_workers > 0:
             gen = _metrics.MeteredRun(_engine.ThreadRun(self._dataset, self._fetch, tasks, options.num_workers,
                                                         options.in_flight, options.timeout_s),
@@ -403,6 +405,22 @@ class DataLoader:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _next_tasks(ref: weakref.ref) -> Iterator[tuple] | None:
+    """The tasks the loader's next ``iter()`` will make, where its order is fixed now
+    (:func:`mploader.sampler.next_pass`; no loaded state pending): the engine
+    dispatches the first ones while this epoch ends, and uses them only if the next
+    epoch asks for the same (docs/design.md, "No gap between epochs").  Called by the
+    engine once an epoch's tasks are all dispatched; draws nothing from any RNG."""
+    loader = ref()
+    if loader is None or loader._ckpt.pending is not None:
+        return None
+    batches = next_pass(loader._batch_sampler)
+    if batches is None:
+        return None
+    epoch = loader._epoch
+    return ((epoch, i, indices) for i, indices in enumerate(batches))
 
 
 class _LoaderIter:

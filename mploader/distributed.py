@@ -179,6 +179,15 @@ class DistributedBatchSampler:
         self._pass = weakref.ref(it)
         return it
 
+    def _next_pass(self) -> _Pass | None:
+        """The pass of epoch ``epoch + 1`` from its start, as ``set_epoch(epoch + 1)``
+        then ``iter()`` would make it, detached from this sampler (nothing here
+        changes); None while a loaded state positions the next pass
+        (:func:`mploader.sampler.next_pass`: a guess the loader verifies)."""
+        if self._start:
+            return None
+        return _Pass(self, self._epoch + 1, 0)
+
     # ---- checkpoints ----
 
     def _config(self) -> dict:

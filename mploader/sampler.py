@@ -16,6 +16,7 @@ any other use of NumPy's global random state.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -356,6 +357,20 @@ class BatchSampler(Sampler):
         _state.restore(self._sampler, state.get("sampler"), "sampler")
         self._prev = carry
 
+    def _next_pass(self) -> Iterator[list[Any]] | None:
+        """The batches the next pass will yield, drawn from copies (nothing of this
+        sampler, of its sampler or of any global random state changes), where they
+        are fixed now: over a :class:`SequentialSampler` or a seeded
+        :class:`RandomSampler` (exactly those types); None otherwise."""
+        sampler = self._sampler
+        if type(sampler) is RandomSampler and sampler.seed is not None:
+            sampler = copy.copy(sampler)   # (its epoch moves with the copy's pass only)
+        elif type(sampler) is not SequentialSampler:
+            return None
+        ahead = BatchSampler(sampler, self._batch_size, self._last_batch)
+        ahead._prev = list(self._prev)
+        return iter(ahead)
+
     def __len__(self) -> int:
         n = len(self._sampler)
         if self._last_batch == "keep":
@@ -369,6 +384,22 @@ class BatchSampler(Sampler):
             f"BatchSampler({self._sampler!r}, batch_size={self._batch_size}, "
             f"last_batch={self._last_batch!r})"
         )
+
+
+def next_pass(batch_sampler: Any) -> Iterator[list[Any]] | None:
+    """The index lists the next pass of ``batch_sampler`` will yield, where they are
+    fixed now and can be drawn without changing anything (the sampler, its epoch,
+    NumPy's or torch's global random state): mploader's :class:`BatchSampler` over a
+    :class:`SequentialSampler` or a seeded :class:`RandomSampler`, and
+    :class:`~mploader.DistributedBatchSampler` (its next epoch, as ``set_epoch(epoch
+    + 1)`` makes it).  None for any other sampler, subclasses included.  A guess a
+    loader verifies: it dispatches these batches ahead (docs/design.md, "No gap
+    between epochs") and uses them only if the real pass asks for the same."""
+    from .distributed import DistributedBatchSampler
+
+    if type(batch_sampler) in (BatchSampler, DistributedBatchSampler):
+        return batch_sampler._next_pass()
+    return None
 
 
 class FilterSampler(Sampler):

@@ -26,11 +26,13 @@ torch release): ``torch.utils.data.dataloader._BaseDataLoaderIter`` (and its
 """
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
 import multiprocessing
 import threading
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -42,6 +44,7 @@ from . import _bad_samples, _diagnose, _engine, _metrics, _options, _pinning, _s
 from ._errors import WorkerTraceback, add_note
 from ._torch_collate import to_tensors, unpack
 from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, PACKED, CapturingFetch, Fetch, WorkerInit
+from .sampler import next_pass
 
 __all__ = ["DataLoader", "get_worker_info", "default_collate", "default_convert"]
 
@@ -512,8 +515,13 @@ class _RingIter(_BaseDataLoaderIter):
         per_epoch = 1 if self._persistent_workers else 2
         self._mpl_pos = _torch_state.begin(loader, self._epoch, self._sampler_iter, per_epoch)
         _torch_state.track_workers(loader, self._mpl_streams, self._dispatch)
+        # No gap between epochs (docs/design.md): persistent workers with per-batch seeding
+        # (a batch is a function of its task alone) over an order fixed in advance.
+        ahead = (functools.partial(_next_tasks, weakref.ref(loader))
+                 if self._persistent_workers and loader.seed is not None and self._in_order
+                 and not self._is_iterable and not self._own_engine else None)
         self._run = engine.run(self._dispatch.tasks(self._epoch, self._mpl_pos.pairs, self._is_iterable),
-                               in_order=self._in_order, tagged=True)
+                               in_order=self._in_order, tagged=True, lookahead=ahead)
 
     def _drain_abandoned(self, loader: DataLoader) -> None:
         """A new epoch of persistent workers with torch's seeding while the previous
@@ -618,6 +626,47 @@ class _RingIter(_BaseDataLoaderIter):
                 # No pinned region (copy=True, or an accelerator other than CUDA): pin as torch does.
                 data = torch.utils.data._utils.pin_memory.pin_memory(data, self._pin_memory_device)
             return data
+
+
+def _next_tasks(ref: weakref.ref) -> Iterator[tuple] | None:
+    """The tasks a persistent iterator's next pass will give the engine (torch's round
+    robin from worker 0), where the batch sampler's order is fixed now and can be
+    drawn without changing anything: torch's ``BatchSampler`` over a
+    ``SequentialSampler``, or over a ``RandomSampler`` with its own ``generator``
+    (drawn from a copy of the generator: the real one draws when torch's iterator
+    does, in torch's order), and mploader's samplers (:func:`mploader.sampler.next_pass`).
+    None otherwise, and while a loaded state is pending.  The engine dispatches the
+    first ones as the epoch ends and uses them only if the next pass asks for the same
+    (docs/design.md, "No gap between epochs")."""
+    loader = ref()
+    if loader is None or _torch_state.worker_resume(loader) is not None:
+        return None
+    ckpt = loader._mpl.ckpt
+    if ckpt is None or getattr(ckpt, "pending", None) is not None:
+        return None
+    batches = _next_batches(loader._index_sampler)
+    if batches is None:
+        return None
+    epoch, n = loader._mpl.epoch, loader.num_workers
+    return ((epoch, i, indices, i % n) for i, indices in enumerate(batches))
+
+
+def _next_batches(index_sampler: Any) -> Iterator[Any] | None:
+    """(:func:`_next_tasks`) The index lists of ``index_sampler``'s next pass, drawn
+    from copies, or None."""
+    from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+    if type(index_sampler) is not BatchSampler:
+        return next_pass(index_sampler)
+    sampler = index_sampler.sampler
+    if type(sampler) is RandomSampler and isinstance(sampler.generator, torch.Generator):
+        generator = torch.Generator(device=sampler.generator.device)
+        generator.set_state(sampler.generator.get_state())
+        sampler = copy.copy(sampler)
+        sampler.generator = generator
+    elif type(sampler) is not SequentialSampler:
+        return None
+    return iter(BatchSampler(sampler, index_sampler.batch_size, index_sampler.drop_last))
 
 
 class _Unlocked:

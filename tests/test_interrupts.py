@@ -209,7 +209,8 @@ def test_ctrl_c_storm_with_a_live_thread_every_completed_epoch_is_whole(face, ki
         assert got == expected, "the epoch after the storm"
         gc.collect()
         region = engine().region
-        assert [region.state(s) for s in range(region.nslots)] == [_ring.STATE_FREE] * region.nslots
+        staged = engine().staged_slots()   # the next epoch's first batches (docs/design.md)
+        assert all(region.state(s) == _ring.STATE_FREE for s in range(region.nslots) if s not in staged)
         assert interrupted >= 20, (hits, interrupted, complete)
         loader.close()
         stop_threads.set()

@@ -28,9 +28,13 @@ samples that each take ``SAMPLE_MS`` of CPU, a training step of ``STEP_MS`` (a s
 the accelerator's time) -- for ``EPOCHS`` epochs of ``EPOCH_BATCHES`` batches, with
 persistent workers and without, for mploader's torch face, torch's ``DataLoader`` and
 mploader's Gluon face with ``seed=`` (whose order is fixed in advance; its workers
-always persist).  Each cell runs in a fresh process.  The table gives the wait in
-``next()`` for the first batch of epochs 2 and later against the steady-state wait
-(the batches after the first ``STEADY_FROM`` of each epoch), medians with min-max.
+always persist), and the torch face with ``seed=`` and a sampler generator of its own
+(``mploader-seed``: an order fixed in advance, so the next epoch's first batches are
+dispatched while an epoch ends; a loader named with the suffix ``/unstaged``, e.g.
+``--epoch-loaders gluon,gluon/unstaged``, runs with that staging off, interleaved).
+Each cell runs in a fresh process.  The table gives the wait in ``next()`` for the
+first batch of epochs 2 and later against the steady-state wait (the batches after
+the first ``STEADY_FROM`` of each epoch), medians with min-max.
 """
 from __future__ import annotations
 
@@ -56,7 +60,11 @@ CHILD_TIMEOUT_S = 600
 DEFAULT_SETUP_S = 1.0
 PARTS = ("first", "epochs")
 # The epoch-boundary cells (the issue's setting).
-EPOCH_LOADERS = ("mploader", "torch", "gluon")
+EPOCH_LOADERS = ("mploader", "mploader-seed", "torch", "gluon")
+#: ``--epoch-loaders`` suffix: the same loader with the next epoch's staging off
+#: (mploader._scheduler.STAGE_NEXT_EPOCH; docs/design.md, "No gap between epochs"),
+#: for an A/B in one run.
+UNSTAGED = "/unstaged"
 EPOCH_METHODS = ("fork", "forkserver")
 EPOCH_WORKERS = 2
 EPOCH_BATCH = 8
@@ -314,6 +322,11 @@ def _epoch_loader(which: str, method: str, persistent: bool) -> Any:
     from mploader_bench.startup import BusyDataset as Importable  # by reference, not __main__'s
 
     dataset = Importable()
+    which, _, variant = which.partition("/")
+    if variant:   # "unstaged": the A/B's other side
+        import mploader._scheduler
+
+        mploader._scheduler.STAGE_NEXT_EPOCH = False
     if which == "gluon":
         import mploader
 
@@ -321,6 +334,12 @@ def _epoch_loader(which: str, method: str, persistent: bool) -> Any:
                                    start_method=method, seed=0)
     import torch.utils.data
 
+    if which == "mploader-seed":   # an order fixed in advance: seed= and the sampler's own generator
+        import mploader.torch
+
+        return mploader.torch.DataLoader(dataset, batch_size=EPOCH_BATCH, shuffle=True, num_workers=EPOCH_WORKERS,
+                                         multiprocessing_context=method, persistent_workers=persistent, seed=0,
+                                         generator=torch.Generator().manual_seed(0))
     if which == "mploader":
         import mploader.torch
 
@@ -381,7 +400,7 @@ def _epoch_rows(methods: Sequence[str], loaders: Sequence[str], repeats: int, ec
         for method in methods:
             for persistent in (True, False):
                 for which in loaders:
-                    if which == "gluon" and not persistent:
+                    if which.startswith("gluon") and not persistent:
                         continue   # the Gluon face's workers always persist
                     res = _run_epoch_child(which, method, persistent)
                     cell = cells.setdefault((which, method, persistent),
@@ -402,7 +421,13 @@ def _epoch_rows(methods: Sequence[str], loaders: Sequence[str], repeats: int, ec
             for (which, method, persistent), cell in cells.items()]
 
 
-EPOCH_LABELS = {"mploader": "mploader.torch", "torch": "torch", "gluon": "mploader (Gluon, seed=)"}
+EPOCH_LABELS = {"mploader": "mploader.torch", "mploader-seed": "mploader.torch (seed=, generator=)",
+                "torch": "torch", "gluon": "mploader (Gluon, seed=)"}
+
+
+def _epoch_label(which: str) -> str:
+    base, _, variant = which.partition("/")
+    return EPOCH_LABELS.get(base, base) + (", no staging" if variant else "")
 
 
 def format_epoch_table(report: dict) -> str:
@@ -421,7 +446,7 @@ def format_epoch_table(report: dict) -> str:
         ratio = (f"{statistics.median(r['first_ms']) / statistics.median(r['steady_ms']):.1f}"
                  if r["first_ms"] and r["steady_ms"] and statistics.median(r["steady_ms"]) > 0 else "--")
         lines.append(f"| {r['method']} | {'persistent' if r['persistent'] else 'restarted'} | "
-                     f"{EPOCH_LABELS.get(r['loader'], r['loader'])} | {_spread(r['first_ms'], '.1f')} | "
+                     f"{_epoch_label(r['loader'])} | {_spread(r['first_ms'], '.1f')} | "
                      f"{_spread(r['steady_ms'], '.2f')} | {ratio} |")
     errors = [f"{r['loader']} {r['method']} persistent={r['persistent']}: {e}" for r in report["epoch_rows"]
               for e in r["errors"]]

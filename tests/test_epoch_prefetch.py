@@ -1,0 +1,317 @@
+"""No gap between epochs (issue 27; docs/design.md, "No gap between epochs"): where the
+next epoch's order is fixed in advance, the engine dispatches its first batches while
+the current epoch ends, and the next epoch takes them over only if it asks for the
+same.  Every case compares the batches, in order, with the same loader without the
+staging (``mploader._scheduler.STAGE_NEXT_EPOCH = False``) and with the loader without
+workers (``num_workers=0``, an independent path: no engine), and reads the engine's
+own counters (``stats()``: ``staged``, ``staged_used``, ``staged_dropped``), so that a
+test fails when the staging is off.  The suite's autouse fixture checks that no
+process, fd or shared mapping is left behind.
+"""
+from __future__ import annotations
+
+import gc
+import os
+import select
+
+import numpy as np
+import psutil
+import pytest
+
+import mploader
+import mploader._scheduler
+from mploader import DistributedBatchSampler
+from mploader._ring import STATE_FREE
+from mploader.sampler import BatchSampler, RandomSampler
+
+EPOCHS = 4
+
+
+class Augmented:
+    """Sample ``i``: ``[i, a draw from NumPy's global RNG]`` -- a random augmentation,
+    so a batch built with another seed than its own (epoch, batch index) shows."""
+
+    def __init__(self, n: int = 50) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return np.array([i, np.random.randint(1 << 30)], dtype=np.int64)
+
+
+@pytest.fixture
+def unstaged(monkeypatch):
+    """A context in which runs stage nothing (the reference)."""
+    def off():
+        monkeypatch.setattr(mploader._scheduler, "STAGE_NEXT_EPOCH", False)
+
+    def on():
+        monkeypatch.setattr(mploader._scheduler, "STAGE_NEXT_EPOCH", True)
+    return off, on
+
+
+def _epochs(loader, epochs=EPOCHS, between=None):
+    out = []
+    for e in range(epochs):
+        if between is not None:
+            between(e)
+        out.append([np.array(b, copy=True).tolist() for b in loader])
+    return out
+
+
+def _staging(loader) -> dict:
+    st = loader.stats()
+    return {k: st[k] for k in ("staged", "staged_used", "staged_dropped")}
+
+
+def _slots_accounted(loader) -> None:
+    """Every slot is FREE or holds a batch staged for the next epoch, and the engine's
+    counters add up: dispatched ahead = taken over + dropped + still staged."""
+    engine = loader._engine
+    staged = engine.staged_slots()
+    region = engine.region
+    st = _staging(loader)
+    assert st["staged"] == st["staged_used"] + st["staged_dropped"] + len(staged), st
+    assert [s for s in range(region.nslots) if region.state(s) != STATE_FREE and s not in staged] == []
+
+
+def _gluon(num_workers, **kw):
+    kw.setdefault("batch_size", 4)
+    return mploader.DataLoader(kw.pop("dataset", Augmented()), num_workers=num_workers, seed=11, **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(shuffle=True), dict(shuffle=True, last_batch="rollover"),
+                                dict(batch_size=3, last_batch="discard")],
+                         ids=["shuffle", "rollover", "sequential-discard"])
+def test_gluon_epochs_identical_to_unstaged_and_in_process(unstaged, kw):
+    off, on = unstaged
+    with _gluon(2, **kw) as loader:
+        got = _epochs(loader)
+        st = _staging(loader)
+        _slots_accounted(loader)
+    off()
+    with _gluon(2, **kw) as loader:
+        ref = _epochs(loader)
+        assert _staging(loader)["staged"] == 0
+    with _gluon(0, **kw) as loader:
+        inline = _epochs(loader)
+    assert got == ref == inline
+    assert st["staged_used"] > 0 and st["staged_dropped"] == 0, st
+
+
+def test_gluon_user_sampler_set_epoch_between_epochs_drops_the_staged_batches(unstaged):
+    """The user moves a seeded sampler back between epochs (repeats epoch 0): the
+    batches staged for epoch 1's order are dropped, the epoch is epoch 0's again."""
+    off, on = unstaged
+
+    def make(num_workers):
+        sampler = RandomSampler(50, seed=3)
+        return sampler, _gluon(num_workers, batch_sampler=BatchSampler(sampler, 4), batch_size=None)
+
+    def run(num_workers):
+        sampler, loader = make(num_workers)
+        with loader:
+            out = _epochs(loader, between=lambda e: sampler.set_epoch(0) if e == 2 else None)
+            return out, (_staging(loader) if num_workers else None), loader
+    got, st, _ = run(2)
+    off()
+    ref, _, _ = run(2)
+    inline, _, _ = run(0)
+    assert got == ref == inline
+    indices = [[[row[0] for row in b] for b in epoch] for epoch in got]
+    assert indices[2] == indices[0] != indices[1]
+    assert st["staged_dropped"] > 0 and st["staged_used"] > 0, st
+
+
+def test_gluon_distributed_batch_sampler_with_and_without_set_epoch(unstaged):
+    """``DistributedBatchSampler``: staged for ``epoch + 1`` -- taken over when the user
+    calls ``set_epoch`` as documented, dropped when the pass repeats the epoch."""
+    off, on = unstaged
+
+    def run(num_workers, set_epoch):
+        bs = DistributedBatchSampler(50, 8, seed=5, rank=1, world_size=2)
+        with _gluon(num_workers, batch_sampler=bs, batch_size=None) as loader:
+            out = _epochs(loader, between=(lambda e: bs.set_epoch(e)) if set_epoch else None)
+            return out, (_staging(loader) if num_workers else None)
+    for set_epoch in (True, False):
+        on()
+        got, st = run(2, set_epoch)
+        off()
+        ref, _ = run(2, set_epoch)
+        inline, _ = run(0, set_epoch)
+        assert got == ref == inline
+        if set_epoch:
+            assert st["staged_used"] > 0 and st["staged_dropped"] == 0, st
+        else:
+            assert st["staged_used"] == 0 and st["staged_dropped"] > 0, st
+
+
+@pytest.mark.parametrize("taken", [1, 11])
+def test_gluon_break_mid_epoch_then_new_epochs(unstaged, taken):
+    """``break`` after ``taken`` batches of epoch 1 (before and after its tasks were all
+    dispatched), then whole epochs: as the unstaged loader."""
+    off, on = unstaged
+
+    def run():
+        with _gluon(2, shuffle=True) as loader:
+            out = _epochs(loader, 1)
+            it = iter(loader)
+            out.append([next(it).tolist() for _ in range(taken)])
+            del it
+            out += _epochs(loader, 2)
+            _slots_accounted(loader)
+            return out, _staging(loader)
+    got, st = run()
+    off()
+    ref, _ = run()
+    assert got == ref
+    assert st["staged_used"] > 0
+
+
+def test_gluon_state_dict_around_the_epoch_boundary_as_unstaged(unstaged):
+    """A checkpoint at the end of an epoch (staged batches in flight) and one a few
+    batches into the next (staged batches taken over) equal the unstaged loader's, and
+    resuming from them gives the same batches."""
+    off, on = unstaged
+
+    def run():
+        with _gluon(2, shuffle=True) as loader:
+            first = _epochs(loader, 1)
+            assert loader.stats()["staged"] > 0 or not mploader._scheduler.STAGE_NEXT_EPOCH
+            at_end = loader.state_dict()
+            it = iter(loader)
+            head = [next(it).tolist() for _ in range(3)]
+            mid = loader.state_dict()
+            rest = [b.tolist() for b in it]
+            return first, at_end, head, mid, rest
+    got = run()
+    off()
+    ref = run()
+    assert got == ref
+    _, at_end, head, mid, rest = got
+    on()
+    for state, expect in ((at_end, head + rest), (mid, rest)):
+        with _gluon(2, shuffle=True) as resumed:
+            resumed.load_state_dict(state)
+            assert [b.tolist() for b in resumed] == expect
+
+
+def test_gluon_close_and_drop_while_staged_leave_nothing():
+    """Closing, or dropping, a loader whose next epoch is staged stops its workers (the
+    autouse fixture also checks fds and shared memory)."""
+    loader = _gluon(2, shuffle=True)
+    _epochs(loader, 1)
+    assert loader._engine.staged_slots()
+    pids = loader.worker_pids()
+    loader.close()
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+    loader = _gluon(2, shuffle=True)
+    _epochs(loader, 1)
+    assert loader._engine.staged_slots()
+    pids = loader.worker_pids()
+    del loader
+    gc.collect()
+    assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+def test_gluon_load_state_dict_between_epochs_drops_or_reuses_only_equal_tasks(unstaged):
+    """A checkpoint loaded between epochs (here: one from mid-epoch 0, so the next
+    iter() resumes it) makes the next epoch's first tasks other than the staged ones:
+    dropped, and the resumed epoch is exactly the rest of epoch 0."""
+    with _gluon(2, shuffle=True) as loader:
+        it = iter(loader)
+        [next(it) for _ in range(4)]
+        state = loader.state_dict()
+        rest = [b.tolist() for b in it]
+        loader.load_state_dict(state)
+        assert [b.tolist() for b in loader] == rest
+        st = _staging(loader)
+        assert st["staged_dropped"] > 0 and st["staged_used"] == 0, st
+        _slots_accounted(loader)
+
+
+class DiesOn:
+    """Sample ``bad`` ends its worker (``os._exit``) while ``armed`` is set."""
+
+    def __init__(self, armed, bad: int = 0, n: int = 48) -> None:
+        self.armed, self.bad, self.n = armed, bad, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if i == self.bad and self.armed.is_set():
+            os._exit(3)
+        return np.array([i, i], dtype=np.int64)
+
+
+def test_a_worker_dying_on_a_staged_batch_fails_the_next_epoch_as_unstaged(unstaged):
+    """A batch staged for the next epoch ends its worker: the current epoch is whole
+    and raises nothing (the staging is dropped), and the next epoch meets the worker's
+    death at that batch, as without the staging; the epoch after is whole again."""
+    import multiprocessing
+    off, on = unstaged
+
+    def run(staged):
+        armed = multiprocessing.Event()
+        with _gluon(2, dataset=DiesOn(armed)) as loader:
+            it = iter(loader)
+            got = [next(it).tolist()]
+            armed.set()          # from here on sample 0 (epoch 1's first batch) kills its worker
+            got += [b.tolist() for b in it]
+            if staged:   # the worker building the staged batch has died before the next iter()
+                poller = select.poll()
+                fds = [os.pidfd_open(pid) for pid in loader.worker_pids()]
+                for fd in fds:
+                    poller.register(fd, select.POLLIN)
+                try:
+                    assert poller.poll(60_000), "no worker died on the staged batch"
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+            with pytest.raises(mploader.WorkerError, match="sample indices \\[0, 1, 2, 3\\]"):
+                next(iter(loader))
+            armed.clear()
+            after = [b.tolist() for b in loader]
+            return got, after, _staging(loader)
+    got, after, st = run(True)
+    off()
+    ref, ref_after, _ = run(False)
+    assert got == ref and after == ref_after
+    assert [b[0][0] for b in got] == list(range(0, 48, 4))
+    assert st["staged_dropped"] > 0, st
+
+
+class Slow:
+    """Sample ``i`` is ``[i, i]`` after ~2 ms of CPU (so that tasks wait in the workers' queues)."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        import time
+        end = time.thread_time() + 0.002
+        while time.thread_time() < end:
+            pass
+        return np.array([i, i], dtype=np.int64)
+
+
+def test_dropping_the_staging_mid_epoch_leaves_the_current_epochs_batches():
+    """Trouble on a worker that holds staged tasks (it died, or the watchdog found it
+    stuck) drops the staging while the current epoch has tasks queued in the workers:
+    those stay wanted.  Regression: dropping used the workers' cancel word, which
+    covers every task below the staged ones -- the current epoch's queued batches came
+    out as None (seen in test_watchdog.py's stuck-worker case)."""
+    with mploader.DataLoader(Slow(), batch_size=4, num_workers=2, prefetch=16, seed=0) as loader:
+        it = iter(loader)
+        got = [next(it).tolist()]
+        assert loader._engine.staged_slots(), "nothing staged: the epoch's tasks were all dispatched at once"
+        loader._engine._scheduler.drop_staged()
+        got += [b.tolist() for b in it]
+        assert got == [[[i, i] for i in range(b, b + 4)] for b in range(0, 48, 4)]
+        st = _staging(loader)
+        assert st["staged_dropped"] > 0 and st["staged_used"] == 0, st
+        assert [b.tolist() for b in loader][0] == [[i, i] for i in range(4)]   # (reaps the dropped ones)
+        _slots_accounted(loader)
