@@ -484,6 +484,21 @@ def _die(children: dict[int, int]) -> None:
     os._exit(0)
 
 
+def _set_environ(env: dict[str, str]) -> None:
+    """Make ``os.environ`` (and the C environment) ``env``, changing only what
+    differs: where nothing does (the common case), nothing is written, so no page
+    inherited from the zygote is copied (a clear and refill cost each worker about
+    150 page copies and 0.55 ms of CPU, issue 27)."""
+    current = dict(os.environ)
+    if current == env:
+        return
+    for key in current.keys() - env.keys():
+        del os.environ[key]
+    for key, value in env.items():
+        if current.get(key) != value:
+            os.environ[key] = value
+
+
 def _fork_worker(msg: bytes, fds: list[int], sock: socket.socket, wake_r: int, wake_w: int, parent_fd: int,
                  children: dict[int, int], worker: Any, mask: Any) -> tuple[str, Any]:
     try:
@@ -508,8 +523,7 @@ def _fork_worker(msg: bytes, fds: list[int], sock: socket.socket, wake_r: int, w
             children.clear()
             if cwd != os.getcwd():
                 os.chdir(cwd)
-            os.environ.clear()
-            os.environ.update(env)
+            _set_environ(env)
             boot = _FdUnpickler(io.BytesIO(boot_bytes), fds).load()
             worker.spawn_main(None, boot)  # never returns
         except BaseException:  # noqa: BLE001 - the start failed: say why, exit 1

@@ -1,0 +1,64 @@
+"""A worker forked from the zygote gets the parent's environment as it is at the
+worker's start, not the zygote's (issue 27, mploader/_zygote.py: the zygote started
+with the parent's environment of that moment; only what differs is changed in the
+worker).  Run in a fresh interpreter, so that its zygote starts with a known
+environment."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CASE = textwrap.dedent('''
+    import json, os, sys
+    import numpy as np
+    import mploader
+    from mploader import _zygote
+
+    NAMES = ["MPL_ENV_GONE", "MPL_ENV_CHANGED", "MPL_ENV_ADDED", "MPL_ENV_KEPT"]
+
+    class Env:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            value = os.environ.get(NAMES[i])
+            return np.array([-1 if value is None else len(value)], dtype=np.int64)
+
+    def seen(method):
+        with mploader.DataLoader(Env(), batch_size=4, num_workers=2, start_method=method, seed=0) as loader:
+            return [np.asarray(b).ravel().tolist() for b in loader]
+
+    _zygote.warm()                       # the zygote starts with the environment of now
+    assert _zygote.zygote_pid() is not None
+    del os.environ["MPL_ENV_GONE"]
+    os.environ["MPL_ENV_CHANGED"] = "after!"
+    os.environ["MPL_ENV_ADDED"] = "xy"
+    first = seen(sys.argv[1])
+    os.environ["MPL_ENV_GONE"] = "back"  # a second loader: the environment of its own start
+    del os.environ["MPL_ENV_ADDED"]
+    second = seen(sys.argv[1])
+    print(json.dumps({"first": first, "second": second, "fork": seen("fork")}))
+''')
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_workers_get_the_parents_environment_at_their_start(method):
+    env = dict(os.environ, MPL_ENV_GONE="gone", MPL_ENV_CHANGED="before", MPL_ENV_KEPT="kept!!",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env.pop("MPL_ENV_ADDED", None)
+    env.pop("MPLOADER_ZYGOTE", None)
+    proc = subprocess.run([sys.executable, "-c", CASE, method], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # lengths of GONE, CHANGED, ADDED, KEPT (-1: unset), as the parent had them
+    assert got["first"] == [[-1, 6, 2, 6]]
+    assert got["second"] == [[4, 6, -1, 6]]
+    assert got["fork"] == got["second"]
