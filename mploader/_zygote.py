@@ -53,7 +53,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from . import _fds
+from . import _fds, _rng_state
 from ._errors import UNKNOWN_STATUS, ExitStatus
 
 #: The environment variable that turns the zygote off ("0").
@@ -129,6 +129,7 @@ class _Zygote:
     lock = threading.Lock()
     seq = 0                     # the number of the last request
     inside = False
+    rng_switch: str | None = None   # MPLOADER_RNG_FALLBACK when the zygote checked the RNG layout
 
 
 def _after_fork_in_child() -> None:
@@ -399,6 +400,13 @@ def main(args: dict) -> None:
         _try_import(mod)
     from . import _worker
 
+    # The RNG layout check (``mploader._rng_state``: 1.4 ms of CPU and ~290 page copies
+    # in each worker's first batch, issue 27) is done once here and inherited by the
+    # workers, as by forked ones; a worker whose environment sets the switch otherwise
+    # checks again (_fork_worker).
+    _Zygote.rng_switch = os.environ.get(_rng_state.FORCE_ENV)
+    _rng_state._calibrate()
+
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.signal(signal.SIGCHLD, lambda *a: None)
     signal.set_wakeup_fd(wake_w)
@@ -524,6 +532,8 @@ def _fork_worker(msg: bytes, fds: list[int], sock: socket.socket, wake_r: int, w
             if cwd != os.getcwd():
                 os.chdir(cwd)
             _set_environ(env)
+            if env.get(_rng_state.FORCE_ENV) != _Zygote.rng_switch:
+                _rng_state.recheck()
             boot = _FdUnpickler(io.BytesIO(boot_bytes), fds).load()
             worker.spawn_main(None, boot)  # never returns
         except BaseException:  # noqa: BLE001 - the start failed: say why, exit 1

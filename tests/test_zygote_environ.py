@@ -62,3 +62,49 @@ def test_workers_get_the_parents_environment_at_their_start(method):
     assert got["first"] == [[-1, 6, 2, 6]]
     assert got["second"] == [[4, 6, -1, 6]]
     assert got["fork"] == got["second"]
+
+
+RNG_CASE = textwrap.dedent('''
+    import json, os, sys
+    import numpy as np
+    import mploader
+    from mploader import _rng_state, _zygote
+
+    class Path:
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return np.array([_rng_state.path() == "fast", np.random.randint(1 << 30)], dtype=np.int64)
+
+    def seen(method):
+        with mploader.DataLoader(Path(), batch_size=2, num_workers=2, start_method=method, seed=3) as loader:
+            return [np.asarray(b).tolist() for b in loader]
+
+    _zygote.warm()               # checks the RNG layout with the environment of now
+    fast = seen(sys.argv[1])
+    os.environ[_rng_state.FORCE_ENV] = "1"
+    forced = seen(sys.argv[1])
+    del os.environ[_rng_state.FORCE_ENV]
+    print(json.dumps({"fast": fast, "forced": forced, "again": seen(sys.argv[1]), "fork": seen("fork")}))
+''')
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_workers_follow_the_rng_fallback_switch_of_their_start(method):
+    """The zygote checks the RNG layout once for its workers (mploader._rng_state); a
+    worker started with ``MPLOADER_RNG_FALLBACK`` set since uses the fallback, one
+    started after it is unset the in-place path again, with the same draws."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env.pop("MPLOADER_RNG_FALLBACK", None)
+    env.pop("MPLOADER_ZYGOTE", None)
+    proc = subprocess.run([sys.executable, "-c", RNG_CASE, method], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [row[0] for batch in got["fast"] for row in batch] == [1, 1, 1, 1]
+    assert [row[0] for batch in got["forced"] for row in batch] == [0, 0, 0, 0]
+    assert got["again"] == got["fast"]
+    draws = [[row[1] for row in batch] for batch in got["fork"]]
+    for key in ("fast", "forced", "again"):
+        assert [[row[1] for row in batch] for batch in got[key]] == draws, key
