@@ -693,14 +693,27 @@ def _auto_depth(loader: DataLoader) -> int | None:
     keeps up to AUTO_PREFETCH_PER_WORKER batches per worker in flight while batches
     are small (docs/design.md, "Batches in flight"); None otherwise (an explicit
     ``prefetch_factor``, ``in_order=False``, an IterableDataset, persistent workers
-    with torch's seeding: torch's count).  Persistent workers build every batch in
-    flight when an epoch is left early (:meth:`_RingIter._drain_abandoned`), so
-    their random streams follow torch's only with torch's count in flight."""
+    with torch's seeding, a sampler that keeps a ``torch.Generator``: torch's count).
+    Persistent workers build every batch in flight when an epoch is left early
+    (:meth:`_RingIter._drain_abandoned`), so their random streams follow torch's only
+    with torch's count in flight; and a sampler's own generator goes on across epochs
+    (torch's ``RandomSampler`` draws its next pass's ``randperm`` when its pass is
+    pulled to the end), so after a ``break`` its state is torch's only if the sampler
+    was pulled as far as torch's iterator pulls it."""
     if not loader._mpl.auto_prefetch or not loader.in_order or isinstance(loader.dataset, IterableDataset) \
-            or loader.num_workers <= 0 or (loader.persistent_workers and loader.seed is None):
+            or loader.num_workers <= 0 or (loader.persistent_workers and loader.seed is None) \
+            or _keeps_generator(loader._index_sampler):
         return None
     return max(loader.prefetch_factor * loader.num_workers,
                min(_options.AUTO_PREFETCH_PER_WORKER * loader.num_workers, _options.MAX_PREFETCH))
+
+
+def _keeps_generator(index_sampler: Any) -> bool:
+    """(:func:`_auto_depth`) Whether the batch sampler, or the sampler it wraps, holds
+    a ``torch.Generator`` (``generator=`` of torch's ``RandomSampler``,
+    ``SubsetRandomSampler``, ``WeightedRandomSampler``, ``DataLoader(shuffle=True)``)."""
+    return any(isinstance(getattr(s, "generator", None), torch.Generator)
+               for s in (index_sampler, getattr(index_sampler, "sampler", None)))
 
 
 class _Dispatch:

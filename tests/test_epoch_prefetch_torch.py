@@ -115,8 +115,7 @@ def test_torch_face_break_and_state_dict_around_the_epoch_boundary(monkeypatch):
     got = run()
     monkeypatch.setattr(mploader._scheduler, "STAGE_NEXT_EPOCH", False)
     ref = run()
-    # (the unstaged face, not torch: after a break its deeper queue has pulled the
-    # sampler's whole pass, which torch's did not: test_torch_face_after_a_break_as_torch)
+    # (against torch's DataLoader: test_torch_face_after_a_break_as_torch)
     assert got[:5] == ref[:5]
     assert got[5] > 0 and ref[5] == 0
     _, at_end, head, mid, rest, _ = got
@@ -128,14 +127,15 @@ def test_torch_face_break_and_state_dict_around_the_epoch_boundary(monkeypatch):
         resumed.close()
 
 
-@pytest.mark.xfail(strict=True, reason="found, not fixed (issue 27): after a break the face's deeper queue for small "
-                                       "batches (prefetch_factor=None) has pulled the whole pass of torch's "
-                                       "RandomSampler, which then draws its end-of-pass randperm from the generator; "
-                                       "torch's iterator has pulled prefetch_factor * num_workers batches, so the "
-                                       "next epoch's order differs -- with or without the staging")
-def test_torch_face_after_a_break_as_torch():
+@pytest.mark.parametrize("persistent", [True, False])
+def test_torch_face_after_a_break_as_torch(persistent):
+    """A sampler that keeps a generator (torch's ``RandomSampler``, which draws its next
+    pass's ``randperm`` when its pass is pulled to the end): after a ``break`` the next
+    epoch is torch's, so the face pulls it only as far as torch's iterator does (before
+    the fix the deeper automatic queue pulled the whole pass, and the third epoch's
+    order differed from torch's)."""
     def run(cls, **kw):
-        loader = _loader(cls, "generator", num_workers=2, persistent_workers=True, **kw)
+        loader = _loader(cls, "generator", num_workers=2, persistent_workers=persistent, **kw)
         out = [[b.tolist() for b in loader]]
         it = iter(loader)
         out.append([next(it).tolist() for _ in range(2)])
