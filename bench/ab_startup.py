@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from mploader_bench.startup import spread  # (bench/ is this script's sys.path[0])
 
 
 def run_child(tree: Path, which: str, method: str, workers: int, mib: int) -> dict[str, Any]:
@@ -40,9 +41,7 @@ def run_child(tree: Path, which: str, method: str, workers: int, mib: int) -> di
 
 
 def _spread(xs: list[float], fmt: str = ".3f") -> str:
-    if not xs:
-        return "--"
-    return f"{format(statistics.median(xs), fmt)} ({format(min(xs), fmt)}-{format(max(xs), fmt)})"
+    return spread(xs, fmt)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,10 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from mploader_bench.startup import spread  # (bench/ is this script's sys.path[0])
 
 CHILD = r'''
 import json, sys, warnings
@@ -67,7 +68,7 @@ def run(tree: Path, method: str, workers: int, mib: int) -> list[dict]:
 
 
 def _spread(xs: list[float], fmt: str) -> str:
-    return f"{format(statistics.median(xs), fmt)} ({format(min(xs), fmt)}-{format(max(xs), fmt)})"
+    return spread(xs, fmt)
 
 
 def main(argv: list[str] | None = None) -> int:

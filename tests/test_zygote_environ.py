@@ -15,6 +15,19 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+def run_case(script: str, method: str, unset: tuple[str, ...] = (), **env_extra: str) -> dict:
+    """``script`` in a fresh interpreter with ``method`` as its argument, the zygote on,
+    ``MPLOADER_RNG_FALLBACK`` and ``unset`` not in its environment, ``env_extra`` in
+    it; its last line's JSON."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **env_extra)
+    for name in ("MPLOADER_ZYGOTE", "MPLOADER_RNG_FALLBACK", *unset):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-c", script, method], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
 CASE = textwrap.dedent('''
     import json, os, sys
     import numpy as np
@@ -50,14 +63,8 @@ CASE = textwrap.dedent('''
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_workers_get_the_parents_environment_at_their_start(method):
-    env = dict(os.environ, MPL_ENV_GONE="gone", MPL_ENV_CHANGED="before", MPL_ENV_KEPT="kept!!",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    env.pop("MPL_ENV_ADDED", None)
-    env.pop("MPLOADER_ZYGOTE", None)
-    proc = subprocess.run([sys.executable, "-c", CASE, method], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_case(CASE, method, unset=("MPL_ENV_ADDED",), MPL_ENV_GONE="gone", MPL_ENV_CHANGED="before",
+                   MPL_ENV_KEPT="kept!!")
     # lengths of GONE, CHANGED, ADDED, KEPT (-1: unset), as the parent had them
     assert got["first"] == [[-1, 6, 2, 6]]
     assert got["second"] == [[4, 6, -1, 6]]
@@ -95,13 +102,7 @@ def test_workers_follow_the_rng_fallback_switch_of_their_start(method):
     """The zygote checks the RNG layout once for its workers (mploader._rng_state); a
     worker started with ``MPLOADER_RNG_FALLBACK`` set since uses the fallback, one
     started after it is unset the in-place path again, with the same draws."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    env.pop("MPLOADER_RNG_FALLBACK", None)
-    env.pop("MPLOADER_ZYGOTE", None)
-    proc = subprocess.run([sys.executable, "-c", RNG_CASE, method], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = run_case(RNG_CASE, method)
     assert [row[0] for batch in got["fast"] for row in batch] == [1, 1, 1, 1]
     assert [row[0] for batch in got["forced"] for row in batch] == [0, 0, 0, 0]
     assert got["again"] == got["fast"]

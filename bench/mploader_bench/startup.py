@@ -175,7 +175,8 @@ def _run_child(which: str, method: str, workers: int, mib: int, setup_s: float =
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _spread(values: list[float], fmt: str) -> str:
+def spread(values: list[float], fmt: str) -> str:
+    """``median (min-max)`` of ``values`` in ``fmt`` ("--" if none; the median alone for one)."""
     if not values:
         return "--"
     med = statistics.median(values)
@@ -281,10 +282,10 @@ def format_table(report: dict) -> str:
             m, t = by.get(("mploader", method, n)), by.get(("torch", method, n))
 
             def cell(key: str, fmt: str, m: Any = m, t: Any = t) -> str:
-                return " / ".join(_spread(x[key], fmt) if x else "--" for x in (m, t))
+                return " / ".join(spread(x[key], fmt) if x else "--" for x in (m, t))
 
-            warm = _spread(m["warm_first_s"], ".2f") if m else "--"
-            after = " / ".join(_spread(m.get(k, []), ".2f") for k in ("after_setup_first_s",
+            warm = spread(m["warm_first_s"], ".2f") if m else "--"
+            after = " / ".join(spread(m.get(k, []), ".2f") for k in ("after_setup_first_s",
                                                                        "after_setup_late_first_s")) if m else "--"
             lines.append(f"| {method} | {n} | {cell('cold_first_s', '.2f')} | {warm} | {after} | "
                          f"{cell('cold_uss_mib', '.0f')} |")
@@ -415,7 +416,7 @@ def _epoch_rows(methods: Sequence[str], loaders: Sequence[str], repeats: int, ec
                     # one median per run: each run weighs the same
                     cell["steady_ms"].append(statistics.median(summary["steady_ms"]))
                     echo(f"  repeat {r + 1}/{repeats} {which:8s} {method:10s} persistent={persistent}: first "
-                         f"{_spread(summary['first_ms'], '.1f')} ms, steady "
+                         f"{spread(summary['first_ms'], '.1f')} ms, steady "
                          f"{statistics.median(summary['steady_ms']):.2f} ms")
     return [{"loader": which, "method": method, "persistent": persistent, **cell}
             for (which, method, persistent), cell in cells.items()]
@@ -446,8 +447,8 @@ def format_epoch_table(report: dict) -> str:
         ratio = (f"{statistics.median(r['first_ms']) / statistics.median(r['steady_ms']):.1f}"
                  if r["first_ms"] and r["steady_ms"] and statistics.median(r["steady_ms"]) > 0 else "--")
         lines.append(f"| {r['method']} | {'persistent' if r['persistent'] else 'restarted'} | "
-                     f"{_epoch_label(r['loader'])} | {_spread(r['first_ms'], '.1f')} | "
-                     f"{_spread(r['steady_ms'], '.2f')} | {ratio} |")
+                     f"{_epoch_label(r['loader'])} | {spread(r['first_ms'], '.1f')} | "
+                     f"{spread(r['steady_ms'], '.2f')} | {ratio} |")
     errors = [f"{r['loader']} {r['method']} persistent={r['persistent']}: {e}" for r in report["epoch_rows"]
               for e in r["errors"]]
     if errors:
