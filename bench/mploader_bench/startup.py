@@ -32,9 +32,11 @@ always persist), and the torch face with ``seed=`` and a sampler generator of it
 (``mploader-seed``: an order fixed in advance, so the next epoch's first batches are
 dispatched while an epoch ends; a loader named with the suffix ``/unstaged``, e.g.
 ``--epoch-loaders gluon,gluon/unstaged``, runs with that staging off, interleaved).
-Each cell runs in a fresh process.  The table gives the wait in ``next()`` for the
-first batch of epochs 2 and later against the steady-state wait (the batches after
-the first ``STEADY_FROM`` of each epoch), medians with min-max.
+Each cell runs in a fresh process.  The table gives the wait for the first batch of
+epochs 2 and later (from ``iter()`` to the first ``next()``'s return) against the
+steady-state wait in ``next()`` (the batches after the first ``STEADY_FROM`` of each
+epoch: each run's median, and its mean -- the wait per batch where the workers are the
+bottleneck and the waits two-valued), medians with min-max.
 """
 from __future__ import annotations
 
@@ -353,17 +355,21 @@ def _epoch_loader(which: str, method: str, persistent: bool) -> Any:
 
 def epoch_child(which: str, method: str, persistent: bool) -> dict[str, Any]:
     """In a fresh process: the wait in ``next()`` of every batch of ``EPOCHS`` epochs
-    (seconds), one list per epoch; a ``STEP_MS`` sleep after each batch."""
+    (seconds), one list per epoch, the first batch's counted from ``iter()`` (torch's
+    ``iter()`` over persistent workers dispatches the epoch's first tasks and waits for
+    its workers); a ``STEP_MS`` sleep after each batch."""
     import torch  # noqa: F401 - the setting is a torch user's process
 
     loader = _epoch_loader(which, method, persistent)
     waits: list[list[float]] = []
     try:
         for _ in range(EPOCHS):
+            t0 = time.perf_counter()
             it = iter(loader)
             epoch: list[float] = []
             while True:
-                t0 = time.perf_counter()
+                if epoch:
+                    t0 = time.perf_counter()
                 try:
                     next(it)
                 except StopIteration:
@@ -390,7 +396,10 @@ def _run_epoch_child(which: str, method: str, persistent: bool) -> dict[str, Any
 
 def epoch_summary(waits: list[list[float]]) -> dict[str, list[float]]:
     """The first-batch waits of epochs 2 and later, and the steady-state waits (the
-    batches after the first ``STEADY_FROM`` of each epoch), in milliseconds."""
+    batches after the first ``STEADY_FROM`` of each epoch), in milliseconds.  Where the
+    workers are the bottleneck the steady-state waits are two-valued (the workers
+    finish together: about 0.2 ms, then a batch's load), so their median is either
+    value by chance; the table also gives their mean, the wait per batch."""
     return {"first_ms": [1000 * e[0] for e in waits[1:] if e],
             "steady_ms": [1000 * w for e in waits for w in e[STEADY_FROM:]]}
 
@@ -405,7 +414,7 @@ def _epoch_rows(methods: Sequence[str], loaders: Sequence[str], repeats: int, ec
                         continue   # the Gluon face's workers always persist
                     res = _run_epoch_child(which, method, persistent)
                     cell = cells.setdefault((which, method, persistent),
-                                            {"first_ms": [], "steady_ms": [], "errors": []})
+                                            {"first_ms": [], "steady_ms": [], "steady_mean_ms": [], "errors": []})
                     if "error" in res:
                         cell["errors"].append(res["error"])
                         echo(f"  repeat {r + 1}/{repeats} {which:8s} {method:10s} persistent={persistent}: "
@@ -415,6 +424,7 @@ def _epoch_rows(methods: Sequence[str], loaders: Sequence[str], repeats: int, ec
                     cell["first_ms"] += summary["first_ms"]
                     # one median per run: each run weighs the same
                     cell["steady_ms"].append(statistics.median(summary["steady_ms"]))
+                    cell["steady_mean_ms"].append(statistics.fmean(summary["steady_ms"]))
                     echo(f"  repeat {r + 1}/{repeats} {which:8s} {method:10s} persistent={persistent}: first "
                          f"{spread(summary['first_ms'], '.1f')} ms, steady "
                          f"{statistics.median(summary['steady_ms']):.2f} ms")
@@ -433,7 +443,8 @@ def _epoch_label(which: str) -> str:
 
 def format_epoch_table(report: dict) -> str:
     """The epoch-boundary rows as a Markdown table: first-batch wait of epochs 2 and
-    later, steady-state wait (the median of each run), and their ratio (medians)."""
+    later, steady-state wait (the median and the mean of each run), and the ratios of
+    the medians."""
     st = report["epoch_setting"]
     lines = [f"Epoch boundaries: {st['workers']} workers, batches of {st['batch_size']} samples of "
              f"{st['sample_ms']:g} ms CPU each, a {st['step_ms']:g} ms training step, {st['epochs']} epochs of "
@@ -441,14 +452,19 @@ def format_epoch_table(report: dict) -> str:
              f"{report['repeats']} runs (first batch: every epoch after the first; steady state: each run's median "
              f"of the batches after the first {st['steady_from']} of each epoch)",
              "",
-             "| start method | workers | loader | first batch of epochs 2+ (ms) | steady state (ms) | ratio |",
-             "|---|---|---|---:|---:|---:|"]
+             "| start method | workers | loader | first batch of epochs 2+ (ms, from iter()) | steady state, "
+             "median (ms) | ratio | steady state, mean (ms) | ratio to mean |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+
+    def ratio(first: list[float], steady: list[float]) -> str:
+        return (f"{statistics.median(first) / statistics.median(steady):.1f}"
+                if first and steady and statistics.median(steady) > 0 else "--")
     for r in report["epoch_rows"]:
-        ratio = (f"{statistics.median(r['first_ms']) / statistics.median(r['steady_ms']):.1f}"
-                 if r["first_ms"] and r["steady_ms"] and statistics.median(r["steady_ms"]) > 0 else "--")
+        means = r.get("steady_mean_ms", [])
         lines.append(f"| {r['method']} | {'persistent' if r['persistent'] else 'restarted'} | "
                      f"{_epoch_label(r['loader'])} | {spread(r['first_ms'], '.1f')} | "
-                     f"{spread(r['steady_ms'], '.2f')} | {ratio} |")
+                     f"{spread(r['steady_ms'], '.2f')} | {ratio(r['first_ms'], r['steady_ms'])} | "
+                     f"{spread(means, '.2f') if means else '--'} | {ratio(r['first_ms'], means)} |")
     errors = [f"{r['loader']} {r['method']} persistent={r['persistent']}: {e}" for r in report["epoch_rows"]
               for e in r["errors"]]
     if errors:
