@@ -449,8 +449,8 @@ def format_epoch_table(report: dict) -> str:
     lines = [f"Epoch boundaries: {st['workers']} workers, batches of {st['batch_size']} samples of "
              f"{st['sample_ms']:g} ms CPU each, a {st['step_ms']:g} ms training step, {st['epochs']} epochs of "
              f"{st['epoch_batches']} batches, shuffle=True; wait in next(), ms, medians (min-max) over "
-             f"{report['repeats']} runs (first batch: every epoch after the first; steady state: each run's median "
-             f"of the batches after the first {st['steady_from']} of each epoch)",
+             f"{report['repeats']} runs (first batch: every epoch after the first, from iter(); steady state: each "
+             f"run's median, and mean, of the batches after the first {st['steady_from']} of each epoch)",
              "",
              "| start method | workers | loader | first batch of epochs 2+ (ms, from iter()) | steady state, "
              "median (ms) | ratio | steady state, mean (ms) | ratio to mean |",
