@@ -132,10 +132,15 @@ class Scheduler(Dispatch):
         if self.memory.outliers:
             self.memory.trim_outliers()
         try:
-            if run.staged is not None:   # the run's first fill: the tasks dispatched ahead for it
+            took_over = run.staged is not None
+            if took_over:   # the run's first fill: the tasks dispatched ahead for it
                 self._take_over(run)
             self._fill(run)
-            if run.exhausted and STAGE_NEXT_EPOCH and (run.lookahead is not None or self.staged is not None):
+            # Not in the call that took staged tasks over: the next call stages, so the
+            # epoch's first batch does not wait for the following epoch's prediction and
+            # dispatch (they queue behind this epoch's tasks either way).
+            if (run.exhausted and STAGE_NEXT_EPOCH and not took_over
+                    and (run.lookahead is not None or self.staged is not None)):
                 self._stage(run)
             if not inflight:
                 if run.source_error is not None:

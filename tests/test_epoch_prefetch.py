@@ -315,3 +315,35 @@ def test_dropping_the_staging_mid_epoch_leaves_the_current_epochs_batches():
         assert st["staged_dropped"] > 0 and st["staged_used"] == 0, st
         assert [b.tolist() for b in loader][0] == [[i, i] for i in range(4)]   # (reaps the dropped ones)
         _slots_accounted(loader)
+
+
+def test_the_call_that_takes_staged_batches_over_stages_nothing(unstaged):
+    """The first ``next()`` of an epoch whose batches were staged only takes them over:
+    the following epoch's prediction and dispatch wait for the next call (they queue
+    behind this epoch's tasks either way), so that the epoch's first batch does not pay
+    for them.  The batches are the unstaged loader's and the in-process loader's, and
+    the following epoch still takes its staged batches over."""
+    off, on = unstaged
+    kw = dict(dataset=Augmented(16), shuffle=True)   # 4 batches: the whole epoch at the first fill
+    with _gluon(2, **kw) as loader:
+        got = [[np.array(b, copy=True).tolist() for b in loader]]
+        before = _staging(loader)
+        assert before["staged"] > 0, before
+        it = iter(loader)
+        epoch = [np.array(next(it), copy=True).tolist()]
+        first = _staging(loader)
+        assert first["staged_used"] > before["staged_used"], first   # taken over...
+        assert first["staged"] == before["staged"], (before, first)    # ...and nothing staged
+        epoch += [np.array(b, copy=True).tolist() for b in it]
+        got.append(epoch)
+        got += _epochs(loader, 2)
+        after = _staging(loader)
+        assert after["staged"] > first["staged"] and after["staged_used"] > first["staged_used"], after
+        assert after["staged_dropped"] == 0, after
+        _slots_accounted(loader)
+    off()
+    with _gluon(2, **kw) as loader:
+        ref = _epochs(loader)
+    with _gluon(0, **kw) as loader:
+        inline = _epochs(loader)
+    assert got == ref == inline
