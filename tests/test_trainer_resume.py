@@ -42,7 +42,8 @@ PER_EPOCH = ITEMS // RANKS // BATCH   # batches per rank and epoch: 8
 STOPS = (3, 11)                        # global steps of the checkpoints: mid epoch 0, mid epoch 1
 
 SCRIPT = textwrap.dedent('''
-    import glob, json, sys
+    import faulthandler, glob, json, sys
+    faulthandler.dump_traceback_later(500)   # a hang prints every thread's stack before the test's timeout (540 s)
     import torch
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -118,8 +119,12 @@ def run_script(tmp_path, seed, persistent) -> dict:
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     args = ["none" if seed is None else str(seed), "persistent" if persistent else "restarted"]
-    p = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=540, env=env)
+    try:
+        p = subprocess.run([sys.executable, str(script), *args], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=540, env=env)
+    except subprocess.TimeoutExpired as exc:   # (one hang seen in CI, 2026-11-26: say where it stood)
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
+        raise AssertionError(f"the training script did not end within 540 s; its stderr ends:\n{err[-6000:]}") from None
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     out: dict = {}
     for f in tmp_path.glob("result-*.json"):
