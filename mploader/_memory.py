@@ -298,6 +298,18 @@ class RingMemory:
             return 0
         return self._trim(self.held)
 
+    def stage_room(self, budget: int) -> int:
+        """How many more batches of this ring's typical size the next epoch may have
+        dispatched ahead ("No gap between epochs"): as many slots (25 % headroom) as
+        fit, beside what the process's rings hold, in half the budget -- staged
+        batches stay in their slots while another loader (validation after training)
+        runs, and no idle-ring trim can reach them.  Unbounded while batches are
+        smaller than TRIM_MIN_BYTES (the budget's rules ignore such slots too)."""
+        slot = self.typical_bytes() * 5 // 4
+        if slot < TRIM_MIN_BYTES or self.pinned:
+            return 1 << 30
+        return max(0, (budget // 2 - held_bytes_total()) // slot)
+
     def trim_to_budget(self, budget: int) -> int:
         """While the process's rings hold more than ``budget``: trim idle rings, then
         this one (the caller holds this ring's engine lock).  Returns bytes given back."""

@@ -311,6 +311,7 @@ class Scheduler(Dispatch):
         elif self.staged_after is not run._ref:
             return   # staged for another run's successor: left as it is until the next run
         room = self.depth - len(run.inflight) - len(staged.inflight)
+        room = min(room, self.memory.stage_room(_memory.budget_bytes()) - len(staged.inflight))
         if room <= 0 or staged.exhausted or staged.source_error is not None:
             return
         if not staged.pushback:

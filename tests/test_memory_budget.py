@@ -118,6 +118,24 @@ def test_an_idle_ring_gives_its_memory_back_when_another_needs_it(budget):
     assert peak <= 48 + 10, peak
 
 
+def test_the_next_epoch_is_staged_only_within_half_the_budget(budget):
+    """A loader stages its next epoch's first batches ("No gap between epochs") only
+    into the room half the budget leaves beside what the rings hold: staged batches
+    stay in their slots while the other loader runs, out of reach of the idle ring's
+    trim.  Before, a training loader staged 2 batches of 8 MiB whatever the budget,
+    and train + validation held 60 MiB under a 48 MiB budget (CI, run 30)."""
+    budget(48 * MiB)
+    with mploader.DataLoader(Images(16, 2), batch_size=4, num_workers=2) as tight:
+        assert [int(b[0][0]) for b in tight] == [0, 4, 8, 12]
+        assert tight.stats()["staged"] == 0
+    budget(1 << 30)   # the same loader with room: it stages
+    with mploader.DataLoader(Images(16, 2), batch_size=4, num_workers=2) as roomy:
+        assert [int(b[0][0]) for b in roomy] == [0, 4, 8, 12]
+        assert roomy.stats()["staged"] > 0
+        assert [int(b[0][0]) for b in roomy] == [0, 4, 8, 12]
+        assert roomy.stats()["staged_used"] > 0
+
+
 def test_batches_in_flight_follow_the_budget(budget):
     """A budget of 12 MiB with 2 MiB batches (2.5 MiB slots): once the first batch
     told its size, at most 2 in flight, and the ring's FREE slots beyond the budget
