@@ -160,7 +160,8 @@ class Engine:
         Seconds a worker may work on one batch before the watchdog takes its stack,
         kills it and loads the batch again on a replacement (mploader._watchdog);
         "auto": ``max(60, 10 x p99 batch time)`` (600 s for the first 20 batches);
-        None (default): no watchdog.
+        None (default): no batch is timed out (a forked worker that does not start
+        within 10 s of its fork is still replaced: docs/design.md, "The watchdog").
     max_retries : int
         Times a batch is loaded again after a stall before ``StallError``.
     on_error : {"raise", "skip", "substitute"}
@@ -367,11 +368,19 @@ class Engine:
             # The finalizer ran at interpreter exit while another thread iterates:
             # nothing may start now (next_batch turns this into a quiet exit).
             raise RuntimeError(f"worker {wid} cannot start: the loader's resources were released")
-        cell = res.busy.allocate() if res.busy is not None else -1
-        worker = start_worker(self.spec, wid, region, self.start_method, lambda: _drop_all_in_child(res),
-                              busy=res.busy.boot(cell) if res.busy is not None else None, transport=res.transport)
-        if res.busy is not None:
-            res.busy.own(cell, worker)
+        busy = res.busy
+        cell = busy.allocate() if busy is not None else -1
+        if busy is not None and self.start_method == "fork":
+            busy.booting(cell)   # the start-up deadline (mploader._watchdog), until the child's first step
+        try:
+            worker = start_worker(self.spec, wid, region, self.start_method, lambda: _drop_all_in_child(res),
+                                  busy=busy.boot(cell) if busy is not None else None, transport=res.transport)
+        except BaseException:
+            if busy is not None:
+                busy.clear_start(cell)
+            raise
+        if busy is not None:
+            busy.own(cell, worker)
         return worker
 
     # ---- running ----

@@ -50,7 +50,9 @@ WINDOW_S = 10.0
 _MARKS = int(WINDOW_S / MARK_S) + 2
 
 #: One cell, two float64: busy (total seconds spent on tasks), start (``monotonic()``
-#: when the task in progress began; 0.0 when idle).  Each is one aligned 8-byte store.
+#: when the task in progress began; 0.0 when idle; negative, ``-monotonic()`` of the
+#: fork, while a forked worker boots: :meth:`BusyCells.booting`, :func:`booted`).
+#: Each is one aligned 8-byte store.
 _CELL = struct.Struct("<dd")
 _SEQ = struct.Struct("<q")   # the cancel word (BusyCells.cancel_below)
 _START = struct.Struct("<d")
@@ -237,6 +239,18 @@ class BusyCells:
         except ValueError:   # close() unmapped it meanwhile (a run dropped from another thread)
             pass
 
+    def booting(self, cell: int) -> None:
+        """A worker is about to be forked into ``cell``: its start word says booting
+        since now (negative) until the child's first step clears it (:func:`booted`);
+        the watchdog's start-up deadline reads it (docs/design.md, "Faults")."""
+        if cell >= 0 and self.map is not None:
+            _START.pack_into(self.map, cell * _CELL.size + 8, -_now())
+
+    def clear_start(self, cell: int) -> None:
+        """The start of the worker meant for ``cell`` failed: the cell is idle again."""
+        if cell >= 0 and self.map is not None:
+            _START.pack_into(self.map, cell * _CELL.size + 8, 0.0)
+
     def boot(self, cell: int) -> tuple | None:
         """What a worker needs to write its cell (None: not measured): ``(mapping,
         cell)`` for a forked worker, ``(PassedFd, map_bytes, cell)`` for a spawned one
@@ -272,14 +286,15 @@ class BusyCells:
                     break
                 pair = again
             busy, start = pair
-            if start and owner.status is None:
+            if start > 0 and owner.status is None:   # (negative: booting, no task yet)
                 busy += max(0.0, now - start)
             out[owner.wid] += busy
         return out
 
     def starts(self) -> dict[int, float]:
         """``{id(worker): monotonic start of its task in progress}`` for the live
-        workers that are busy (the watchdog's view; mploader._watchdog)."""
+        workers that are busy, ``-monotonic()`` of the fork for forked workers still
+        booting (the watchdog's view; mploader._watchdog)."""
         m = self.map
         out: dict[int, float] = {}
         if m is None:
@@ -338,6 +353,14 @@ class BusyCells:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def booted(boot: tuple | None) -> None:
+    """In a forked worker, its first step: the fork's child-side clean-up is over,
+    the start word :meth:`BusyCells.booting` set goes back to idle."""
+    if boot is not None and len(boot) == 2:
+        mapping, cell = boot
+        _START.pack_into(mapping, cell * _CELL.size + 8, 0.0)
 
 
 class WorkerBusy:

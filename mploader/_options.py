@@ -217,7 +217,8 @@ class LoaderOptions:
     stall_timeout : float, "auto" or None
         The watchdog (docs/design.md, "The watchdog"): seconds a worker may work on
         one batch before it is replaced and the batch loaded again; "auto":
-        ``max(60, 10 x p99 batch time)``; None: off.  Positive.
+        ``max(60, 10 x p99 batch time)``; None: off (a forked worker that does not
+        start within 10 s of its fork is replaced either way).  Positive.
     max_retries : int
         Times a stalled batch is loaded again before ``StallError`` (>= 0).
     on_error : {"raise", "skip", "substitute"}

@@ -111,9 +111,9 @@ class Scheduler(Dispatch):
         # What the ring's FREE slots hold, and the memory budget's rules (_memory)
         self.memory = _memory.RingMemory(engine.num_slots, engine.on_grow is not None, lock, res,
                                          engine.shared_mem or 0)
-        # Stuck workers replaced while the parent waits (_watchdog; None: off)
-        self.watchdog = (_watchdog.Watchdog(engine.stall_timeout, engine.max_retries)
-                         if engine.stall_timeout is not None else None)
+        # Stuck workers replaced while the parent waits (_watchdog), and forked workers
+        # that never started (with stall_timeout=None: only the latter)
+        self.watchdog = _watchdog.Watchdog(engine.stall_timeout, engine.max_retries)
         # The bad samples' report and budget (_bad_samples; None: on_error="raise")
         self.ledger = (_bad_samples.Ledger(engine.max_bad_fraction, engine.max_bad_samples, engine.bad_sample_log)
                        if engine.on_error != "raise" else None)

@@ -62,6 +62,15 @@ WARMUP_FLOOR_S = 600.0
 DEFAULT_MAX_RETRIES = 1
 #: How long the parent waits for a SIGKILLed worker to be gone (seconds).
 KILL_WAIT_S = 5.0
+#: The start-up deadline of a forked worker (seconds of the parent's time): from the
+#: fork to the child's first step (mploader._metrics.booted).  In between run only the
+#: interpreter's child-side clean-up and the at-fork handlers, microseconds; a child
+#: still there after this is deadlocked on a lock another thread held at the fork
+#: (CPython's thread states, a library's) and is killed and forked again.
+BOOT_LIMIT_S = 10.0
+#: Forks of one worker id that may miss the deadline, one after another, before
+#: StallError: a fork that deadlocks every time is not retried for ever.
+BOOT_RETRIES = 3
 
 
 class StallError(TimeoutError):
@@ -102,8 +111,10 @@ class Watchdog:
         How often a batch is loaded again after a stall before StallError.
     """
 
-    def __init__(self, stall_timeout: float | str, max_retries: int) -> None:
-        self.fixed = None if stall_timeout == "auto" else float(stall_timeout)
+    def __init__(self, stall_timeout: float | str | None, max_retries: int) -> None:
+        # None: batches are never timed out, but forked workers keep their start-up deadline
+        self.enabled = stall_timeout is not None
+        self.fixed = None if stall_timeout in ("auto", None) else float(stall_timeout)
         self.max_retries = max_retries
         self.next_at = 0.0
         self.last = 0.0
@@ -114,6 +125,7 @@ class Watchdog:
         self.stacks: dict[int, list[str]] = {}   # seq -> the stacks of its stalls
         self.stalls = 0
         self.respawns = 0
+        self.boot_misses: dict[int, int] = {}   # worker id -> forks in a row that missed BOOT_LIMIT_S
 
     def limit(self, sched: Scheduler, now: float) -> float:
         """The stall limit in force (seconds), recomputed at most every 5 s."""
@@ -131,8 +143,8 @@ class Watchdog:
         :func:`check_interval`); replace the stuck ones.  Raises StallError."""
         if now < self.next_at:
             return
-        limit = self.limit(sched, now)
-        interval = check_interval(limit)
+        limit = self.limit(sched, now) if self.enabled else float("inf")
+        interval = check_interval(min(limit, BOOT_LIMIT_S))
         # Only time the parent saw pass counts, each gap at most twice the interval: a
         # job stopped (SIGSTOP, a paused container) does not make its workers stuck.
         step = min(now - self.last, 2 * interval) if self.last else 0.0
@@ -145,20 +157,54 @@ class Watchdog:
         stuck = []
         if len(self.watched) > len(sched.res.workers):   # workers gone since (stopped, replaced)
             self.watched = {w: v for w, v in self.watched.items() if w in sched.res.workers}
+        booting = []
         for w in sched.res.workers:
             start = starts.get(id(w), 0.0)
+            if start >= 0 and w.status is None and w.wid in self.boot_misses:
+                del self.boot_misses[w.wid]   # this fork of it took its first step
             if w.status is not None or not start:
                 self.watched.pop(w, None)
                 continue
             seen = self.watched.get(w)
             if seen is None or seen[0] != start:
-                self.watched[w] = seen = [start, min(now - start, step)]
+                self.watched[w] = seen = [start, min(now - abs(start), step)]
             else:
                 seen[1] += step
-            if seen[1] > limit and now - start > limit:
+            if start < 0:
+                if seen[1] > BOOT_LIMIT_S and now + start > BOOT_LIMIT_S:
+                    booting.append(w)
+            elif seen[1] > limit and now - start > limit:
                 stuck.append(w)
+        for w in booting:
+            self._boot_missed(sched, w, now + self.watched.pop(w)[0])
         for w in stuck:
             self._replace(sched, w, now - self.watched.pop(w)[0])
+
+    def _boot_missed(self, sched: Scheduler, w: Any, waited_s: float) -> None:
+        """A forked worker that never took its first step: killed and forked again,
+        its tasks given to the new one (or others), as a stuck worker's; StallError
+        once BOOT_RETRIES forks of its id in a row missed the deadline."""
+        stack = take_stack(w.pid)   # (none, as a rule: its handler is installed later, in the worker)
+        misses = self.boot_misses[w.wid] = self.boot_misses.get(w.wid, 0) + 1
+        self.stalls += 1
+        _LOG.warning("mploader: worker %d (pid %d) did not start within %.1f s of its fork (deadline %.1f s; "
+                     "a lock held by another thread at the fork, as a rule): killing it and forking it again; "
+                     "its stack:\n%s", w.wid, w.pid, waited_s, BOOT_LIMIT_S, stack)
+        try:
+            os.kill(w.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if exited([w], KILL_WAIT_S):
+            w.reap(block=True)
+        if misses > BOOT_RETRIES:
+            task = sched.owed(w)
+            raise StallError(
+                f"worker {w.wid} did not start within {BOOT_LIMIT_S:.0f} s of its fork {misses} times in a row "
+                f"(each time deadlocked before its first step, as a rule on a lock another thread of this "
+                f"process held at the fork); use start_method='forkserver' or 'spawn'",
+                task.seq if task is not None else -1, task.indices if task is not None else None, [stack])
+        sched.replace_stuck(w)
+        self.respawns += 1
 
     def _replace(self, sched: Scheduler, w: Any, busy_s: float) -> None:
         task = sched.owed(w)

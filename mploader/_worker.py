@@ -25,7 +25,7 @@ from . import _bad_samples, _ring, _rng_state, _spec, _stacks
 from ._descriptor import SlotWriter, Structures, pipe_message
 from ._errors import BatchFailure
 from ._face import Face
-from ._metrics import WorkerBusy
+from ._metrics import WorkerBusy, booted
 from ._plan import MAX_PLANS, Planner
 from ._protocol import TaskReader
 
@@ -129,6 +129,7 @@ def _fresh_std_streams() -> None:
 
 def fork_main(spec: WorkerSpec, boot: WorkerBoot) -> None:
     """Entry point of a forked worker; never returns (the process exits)."""
+    booted(boot.busy)   # first: the watchdog's start-up deadline ends here (docs/design.md, "Faults")
     _fresh_std_streams()
     _run(spec, boot)
 

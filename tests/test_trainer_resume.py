@@ -60,8 +60,12 @@ SCRIPT = textwrap.dedent('''
             # that Lightning injects into ours.
             from torch.utils.data import DistributedSampler
             from torchdata.stateful_dataloader import StatefulDataLoader
+            # forkserver: a worker forked from this rank, beside gloo's threads, once
+            # deadlocked in CPython's after-fork clean-up (CI, 2026-11-26); torch has no
+            # start-up deadline (mploader's fork workers have one: tests/test_fork_boot.py)
             return StatefulDataLoader(Items(), batch_size=3, num_workers=2, persistent_workers=persistent,
-                                      sampler=DistributedSampler(Items(), 2, rank, shuffle=True, seed=0))
+                                      sampler=DistributedSampler(Items(), 2, rank, shuffle=True, seed=0),
+                                      multiprocessing_context="forkserver")
         from mploader.torch import DataLoader
         return DataLoader(Items(), batch_size=3, shuffle=True, num_workers=2, seed=seed,
                           persistent_workers=persistent)
