@@ -101,6 +101,42 @@ def test_gluon_epochs_identical_to_unstaged_and_in_process(unstaged, kw):
     assert st["staged_used"] > 0 and st["staged_dropped"] == 0, st
 
 
+class Bad(Augmented):
+    """Augmented, but samples 3, 17 and 41 raise ValueError."""
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        if i in (3, 17, 41):
+            raise ValueError(f"bad sample {i}")
+        return super().__getitem__(i)
+
+
+@pytest.mark.parametrize("on_error", ["skip", "substitute"])
+def test_gluon_bad_samples_in_staged_batches_as_unstaged(unstaged, on_error):
+    """Bad samples (on_error="skip"/"substitute") in batches staged for the next epoch:
+    the batches, their order and the bad-sample report (which sample, epoch, batch,
+    substitute) are those of the loader without the staging (bad samples need worker
+    processes: no in-process reference), and every epoch reports exactly the 3 bad
+    samples (with "skip", every epoch holds every other sample once)."""
+    off, on = unstaged
+
+    def run():
+        with _gluon(2, dataset=Bad(), shuffle=True, on_error=on_error, max_bad_samples=100) as loader:
+            got = _epochs(loader)
+            st = loader.stats()
+        return got, st
+
+    got, st = run()
+    off()
+    ref, ref_st = run()
+    assert got == ref
+    assert st["bad_samples"] == ref_st["bad_samples"]
+    for e in range(EPOCHS):
+        assert sorted(r["index"] for r in st["bad_samples"] if r["epoch"] == e) == [3, 17, 41]
+        if on_error == "skip":
+            assert sorted(row[0] for batch in got[e] for row in batch) == sorted(set(range(50)) - {3, 17, 41})
+    assert st["staged_used"] > 0 and ref_st["staged"] == 0, st
+
+
 def test_gluon_user_sampler_set_epoch_between_epochs_drops_the_staged_batches(unstaged):
     """The user moves a seeded sampler back between epochs (repeats epoch 0): the
     batches staged for epoch 1's order are dropped, the epoch is epoch 0's again."""

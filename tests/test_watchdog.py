@@ -114,6 +114,31 @@ def test_torch_face_replaces_a_stuck_worker_same_batches_in_the_same_order():
     """, timeout_s=120)
 
 
+def test_a_worker_stuck_on_a_batch_staged_for_the_next_epoch_is_replaced():
+    """Seeded Gluon face, whose next epoch is dispatched while an epoch ends (docs/design.md,
+    "No gap between epochs"): the first batch of epoch 1 hangs once, in a staged task.
+    The watchdog replaces that worker, the staged batches are still taken over, and the
+    three epochs are bit-identical to the loader without workers (num_workers=0)."""
+    hang_case("""
+        def epochs(loader):
+            return [[b.copy() for b in loader] for _ in range(3)]
+
+        reference = epochs(mploader.DataLoader(Hanging(hangs=0), batch_size=4, shuffle=True, seed=3))
+        target = int(reference[1][0][0][0])   # the first sample of epoch 1
+        loader = mploader.DataLoader(Hanging(hang_on=target), batch_size=4, shuffle=True, num_workers=2, seed=3,
+                                     stall_timeout=1.0)
+        got = epochs(loader)
+        stats = loader.stats()
+        loader.close()
+        assert len(os.listdir(MARKS)) == 1
+        assert all(np.array_equal(a, b) for e, f in zip(got, reference) for a, b in zip(e, f))
+        assert [len(e) for e in got] == [len(e) for e in reference] == [24] * 3
+        assert stats["stalls"] == 1 and stats["respawns"] == 1, stats
+        assert stats["staged_used"] > 0, stats
+        print("OK")
+    """, timeout_s=90)
+
+
 def test_a_batch_that_hangs_on_every_try_raises_with_both_stacks():
     """Sample 37 hangs on every try: with max_retries=1 the second stall raises
     StallError (a TimeoutError) carrying both stacks, each naming the sleeping
