@@ -522,8 +522,17 @@ def test_tensors_requiring_grad_say_why_and_what_to_do():
         def __getitem__(self, i):
             return torch.full((3,), float(i), requires_grad=True)
 
-    with pytest.raises(RuntimeError, match="automatic differentiation"):
-        next(iter(TorchLoader(Grad(), batch_size=4, num_workers=2)))
+    torch_it = iter(TorchLoader(Grad(), batch_size=4, num_workers=2))
+    try:
+        with pytest.raises(RuntimeError, match="automatic differentiation"):
+            next(torch_it)
+    finally:   # torch's shutdown after a worker's error waits 5 s per worker (join timeouts)
+        torch.utils.data._utils.signal_handling._remove_worker_pids(id(torch_it))
+        torch_it._worker_pids_set = False
+        for w in torch_it._workers:
+            w.kill()
+        torch_it._shutdown_workers()
+    del torch_it
     class Detached(Grad):
         def __getitem__(self, i):
             return super().__getitem__(i).detach()
