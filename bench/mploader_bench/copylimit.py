@@ -23,6 +23,7 @@ Two ways to copy are measured and the faster one is the limit:
 from __future__ import annotations
 
 import math
+import mmap
 import multiprocessing
 import time
 from collections.abc import Sequence
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["COPY_LIMIT", "CopyLimit", "copy_batches", "stream_min_bytes"]
+__all__ = ["COPY_LIMIT", "CopyLimit", "copy_batches", "shared_arena", "stream_min_bytes"]
 
 COPY_LIMIT = "copy-limit"
 _FORK = multiprocessing.get_context("fork")
@@ -93,8 +94,27 @@ def copy_batches(rows: np.ndarray, indices: np.ndarray, arena: np.ndarray, count
         raise ValueError(f"copy_batches: method={method!r}: expected 'take' or 'stream'")
 
 
+def shared_arena(buffers: int, batch_size: int, row_bytes: int) -> np.ndarray:
+    """``buffers`` batch buffers, uint8 of shape ``(buffers, batch_size, row_bytes)``, in
+    shared memory (an anonymous ``MAP_SHARED`` mapping) and written once (faulted in).
+
+    Shared, as every loader's output must be: a batch built in a worker reaches the
+    training process through shared pages (mploader's ring is a memfd, torch's tensors
+    go to ``/dev/shm``).  Private memory would make the limit one no multi-process
+    loader can reach where the kernel gives private memory transparent huge pages and
+    shared memory none (``/sys/kernel/mm/transparent_hugepage/shmem_enabled``: "never"
+    by default): numpy asks for huge pages for its large arrays, and on the suite's
+    2-core machine such an arena made copy-limit 6-14 % faster (docs/bench-log.md).
+    """
+    nbytes = buffers * batch_size * row_bytes
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    arena = np.frombuffer(region, np.uint8, count=nbytes).reshape(buffers, batch_size, row_bytes)
+    arena.fill(1)
+    return arena
+
+
 def _child(conn: Any, rows: np.ndarray, batch_size: int, buffers: int, block: int, seed: int) -> None:
-    arena = np.ones((buffers, batch_size, rows.shape[1]), np.uint8)  # written now: faulted in
+    arena = shared_arena(buffers, batch_size, rows.shape[1])
     indices = np.random.default_rng(seed).integers(0, len(rows), size=(block, batch_size))
     views: list | None = None
     done = 0

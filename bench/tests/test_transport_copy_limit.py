@@ -28,6 +28,22 @@ def test_copy_batches_puts_each_batch_in_its_rotating_buffer(method):
         assert np.array_equal(arena[k % 3], rows[indices[k % 5]]), k
 
 
+def test_the_arena_is_shared_memory_written_once():
+    """copy-limit copies into shared memory, as a loader's workers must (see
+    ``shared_arena``): a forked child's writes are seen by the parent; every byte
+    was written (faulted in) before any copy is timed."""
+    import os
+
+    arena = copylimit.shared_arena(3, 4, 4096)
+    assert arena.shape == (3, 4, 4096) and arena.dtype == np.uint8 and (arena == 1).all()
+    pid = os.fork()
+    if pid == 0:   # pragma: no cover - the child
+        arena[2, 3, 4095] = 7
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    assert arena[2, 3, 4095] == 7
+
+
 def test_copy_batches_names_a_bad_method():
     rows = _pool()
     with pytest.raises(ValueError, match="method='memcpy': expected 'take' or 'stream'"):
