@@ -99,6 +99,17 @@ def check_interval(limit_s: float) -> float:
     return min(1.0, max(0.05, limit_s / 10))
 
 
+def _kill(w: Any) -> None:
+    """SIGKILL worker ``w`` and reap it if it is gone within KILL_WAIT_S (one in
+    uninterruptible sleep dies when the kernel lets it; the parent does not wait)."""
+    try:
+        os.kill(w.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if exited([w], KILL_WAIT_S):
+        w.reap(block=True)
+
+
 class Watchdog:
     """The parent's side (see the module docstring).  One per scheduler; called under
     the engine's lock.
@@ -190,12 +201,7 @@ class Watchdog:
         _LOG.warning("mploader: worker %d (pid %d) did not start within %.1f s of its fork (deadline %.1f s; "
                      "a lock held by another thread at the fork, as a rule): killing it and forking it again; "
                      "its stack:\n%s", w.wid, w.pid, waited_s, BOOT_LIMIT_S, stack)
-        try:
-            os.kill(w.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if exited([w], KILL_WAIT_S):
-            w.reap(block=True)
+        _kill(w)
         if misses > BOOT_RETRIES:
             task = sched.owed(w)
             raise StallError(
@@ -219,12 +225,7 @@ class Watchdog:
         if task is not None:
             stacks = self.stacks.setdefault(task.seq, [])
             stacks.append(stack)
-        try:
-            os.kill(w.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if exited([w], KILL_WAIT_S):
-            w.reap(block=True)
+        _kill(w)
         if stacks is not None and task is not None and len(stacks) > self.max_retries:
             joined = "\n\n".join(f"--- stall {k + 1} ---\n{s}" for k, s in enumerate(stacks))
             raise StallError(

@@ -8,14 +8,14 @@ from __future__ import annotations
 import textwrap
 
 import pytest
-from test_faults import run_case
+from test_faults import COLLECT_LOG, run_case
 
 from mploader import _bad_samples
 from mploader._options import LoaderOptions
 
 # 0.1 % of 4,000 samples raise (4 of them, two exception types); a sample is its
 # index plus a random augmentation, so that identical batches cover the seeding.
-BROKEN = """
+BROKEN = COLLECT_LOG + """
 import json, logging, tempfile
 from mploader._bad_samples import substitute_index
 
@@ -31,15 +31,6 @@ class Broken:
             raise self.bad[i](f"cannot decode /data/{i}.jpg")
         return np.array([i, np.random.random()])
 
-class Collect(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-log = Collect()
-logging.getLogger("mploader").addHandler(log)
 
 def expected_index(i, seed, epoch, n=4000):
     '''What sample i becomes under "substitute": the rule's first good substitute.'''

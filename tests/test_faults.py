@@ -43,6 +43,22 @@ def slots_free(loader):
 """
 
 
+#: For a case's code: ``log.messages``, the "mploader" logger's WARNING messages.
+COLLECT_LOG = """
+import logging
+
+class Collect(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+log = Collect()
+logging.getLogger("mploader").addHandler(log)
+"""
+
+
 def run_case(body: str, timeout_s: float = 60, expect_rc: int = 0, env_extra: dict | None = None,
              stdin_text: str | None = None) -> subprocess.CompletedProcess:
     """Run PRELUDE + ``body`` in a new session; kill its whole group on timeout."""

@@ -13,10 +13,10 @@ limit (tests/test_faults.py's ``run_case``), whose process group must end empty.
 from __future__ import annotations
 
 import pytest
-from test_faults import run_case
+from test_faults import COLLECT_LOG, run_case
 
-HOOK = """
-import logging, tempfile
+HOOK = COLLECT_LOG + """
+import tempfile
 from mploader import _watchdog
 _watchdog.BOOT_LIMIT_S = 1.0
 MARK = os.path.join(tempfile.mkdtemp(), "hung")
@@ -32,15 +32,6 @@ def hang_after_fork(always):
             time.sleep(3600)
     os.register_at_fork(after_in_child=hook)
 
-class Collect(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-log = Collect()
-logging.getLogger("mploader").addHandler(log)
 """
 
 

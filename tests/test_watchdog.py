@@ -8,7 +8,7 @@ import math
 import textwrap
 
 import pytest
-from test_faults import run_case
+from test_faults import COLLECT_LOG, run_case
 
 from mploader import _metrics, _watchdog
 from mploader._options import LoaderOptions
@@ -16,7 +16,7 @@ from mploader._options import LoaderOptions
 # A dataset that sleeps for ever on one index (the first ``hangs`` times it is asked
 # for it: the worker leaves a mark per try in a directory), with a random
 # augmentation, so that "bit-identical" covers the per-batch seeding.
-HANGING = """
+HANGING = COLLECT_LOG + """
 import logging, tempfile
 MARKS = tempfile.mkdtemp()
 
@@ -34,15 +34,6 @@ class Hanging:
             sleep_forever()
         return np.full(4, i, np.float64) + np.random.random()
 
-class Collect(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.WARNING)
-        self.messages = []
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
-log = Collect()
-logging.getLogger("mploader").addHandler(log)
 """
 
 
