@@ -340,8 +340,10 @@ class BatchSampler(Sampler):
         ------
         mploader._state.StateMismatchError
             Another version or kind, ``batch_size``, ``last_batch`` or sampler type
-            (both values printed), or a sampler state for a sampler without
-            ``load_state_dict``.
+            (both values printed), a sampler state for a sampler without
+            ``load_state_dict``, or a ``carry`` that no pass of this batch sampler
+            leaves: not a list of the sampler's indices, ``batch_size`` or more of
+            them, or any with ``last_batch`` other than ``'rollover'``.
         """
         _state.check_state(state, "BatchSampler", "batch sampler")
         for name, here in (("batch_size", self._batch_size), ("last_batch", self._last_batch),
@@ -356,6 +358,10 @@ class BatchSampler(Sampler):
             raise _state.StateMismatchError(f"cannot load the state: carry must hold indices of the sampler, ints "
                                             f"in [0, {len(self._sampler) - 1}], got {carry!r:.80}")
         carry = list(carry)
+        if carry and self._last_batch != "rollover":   # only 'rollover' carries indices into a pass
+            raise _state.StateMismatchError(f"cannot load the state: carry must be empty with last_batch="
+                                            f"{self._last_batch!r} (only 'rollover' carries indices), got "
+                                            f"{carry!r:.80}")
         if len(carry) >= self._batch_size:
             raise _state.StateMismatchError(f"cannot load the state: carry must hold fewer than batch_size="
                                             f"{self._batch_size} indices, got {len(carry)}")

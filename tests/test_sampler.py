@@ -244,6 +244,31 @@ def test_batch_rollover_abandoned_pass_drops_carry_like_gluon():
     assert list(b) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
 
 
+@pytest.mark.parametrize("last_batch", ["keep", "discard"])
+def test_a_carry_in_a_state_without_rollover_is_refused(last_batch):
+    """Only 'rollover' carries indices into a pass (Gluon's BatchSampler keeps none
+    otherwise): a state whose carry is non-empty for 'keep'/'discard' was tampered
+    with and is refused naming the carry, through the loader too (hypothesis found a
+    'keep' state with carry [0, 0] accepted: the pass then had 22 indices, not 20)."""
+    import mploader
+    from mploader._state import StateMismatchError
+
+    b = BatchSampler(SequentialSampler(20), 3, last_batch)
+    state = b.state_dict()
+    assert state["carry"] == []
+    state["carry"] = [0, 0]
+    with pytest.raises(StateMismatchError, match=f"carry must be empty with last_batch='{last_batch}'"):
+        b.load_state_dict(state)
+    assert list(b)[0] == [0, 1, 2]   # nothing of the refused state was taken
+    loader = mploader.DataLoader(list(range(20)), batch_size=3, last_batch=last_batch)
+    saved = loader.state_dict()
+    saved["batch_sampler_state"]["carry"] = [0, 0]
+    with pytest.raises(ValueError, match="batch_sampler_state") as info:
+        loader.load_state_dict(saved)
+    assert "carry must be empty" in str(info.value)
+    assert sum(len(batch) for batch in loader) == (20 if last_batch == "keep" else 18)
+
+
 def test_batch_reiterable_keep_with_random():
     b = BatchSampler(RandomSampler(20, seed=0), 6, "keep")
     a, c = list(b), list(b)
