@@ -30,6 +30,8 @@ the autouse fixture).
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 from _leaks import (  # noqa: F401 - re-exported for `from conftest import ...`
     Snapshot,
@@ -40,6 +42,16 @@ from _leaks import (  # noqa: F401 - re-exported for `from conftest import ...`
     record_mp_names,
     shm_entries,
 )
+from hypothesis import settings
+
+# Property tests draw the same examples in every run of the suite (derived from each
+# test's name: `derandomize`), so that a run of `make test` or CI is reproducible and a
+# red CI always means a change broke something; MPLOADER_HYPOTHESIS=explore draws new
+# ones (what found the tampered 'keep' carry, 2026-11-27; a failure prints the blob to
+# replay it with @reproduce_failure).  docs/design.md, "Faults".
+settings.register_profile("fixed", derandomize=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile(os.environ.get("MPLOADER_HYPOTHESIS", "fixed"))
 
 record_mp_names()
 try:
