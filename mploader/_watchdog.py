@@ -116,8 +116,10 @@ class Watchdog:
 
     Parameters
     ----------
-    stall_timeout : float, "auto"
-        Seconds one batch may keep its worker busy; "auto": the default rule.
+    stall_timeout : float, "auto" or None
+        Seconds one batch may keep its worker busy; "auto": the default rule;
+        None: no batch limit, only the forked workers' start-up deadline
+        (BOOT_LIMIT_S).
     max_retries : int
         How often a batch is loaded again after a stall before StallError.
     """

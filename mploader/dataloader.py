@@ -140,7 +140,8 @@ class DataLoader:
         logged on the ``"mploader"`` logger, is killed and replaced, and the batch is
         loaded again -- the loop sees the same batches, bit-identical.  "auto"
         (default): ``max(60, 10 x the p99 batch time)``, 600 s for the first 20
-        batches.  None: off.
+        batches.  None: off (a forked worker that does not start within 10 s of
+        its fork is still killed and forked again: docs/design.md, "The watchdog").
     max_retries : int
         Times a stalled batch is loaded again (default 1); once more raises
         ``mploader.StallError`` carrying every stack taken.

@@ -124,7 +124,9 @@ class DataLoader(_TorchDataLoader[_T_co]):
         RNGs start afresh from ``base_seed + id``, so that worker's random
         augmentations differ from then on (docs/faces.md).  "auto" (default):
         ``max(60, 10 x p99 batch time)``, 600 s for the first 20 batches; None: off
-        (torch's behaviour: wait for ever, or ``timeout``).
+        (torch's behaviour: wait for ever, or ``timeout``), but for the start-up
+        deadline of forked workers (10 s from the fork to the worker's first step:
+        docs/design.md, "The watchdog"), which torch does not have.
     max_retries : int
         Times a stalled batch is loaded again (default 1); one more stall raises
         ``mploader.StallError`` carrying every stack taken.
