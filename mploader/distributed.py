@@ -22,6 +22,7 @@ import numpy as np
 
 from . import _state
 from ._options import check_int
+from .sampler import seeded_permutation
 
 __all__ = ["DistributedBatchSampler"]
 
@@ -162,10 +163,12 @@ class DistributedBatchSampler:
     def global_order(self, epoch: int) -> np.ndarray:
         """ndarray of shape (num_global_batches * global_batch_size,), dtype int64: the
         epoch's global order, padded (``drop_last=False``) or truncated (True) to whole
-        global batches.  A function of ``(seed, epoch)`` only."""
+        global batches.  A function of ``(seed, epoch)`` only.  Read-only when it is the
+        permutation itself (shared with :func:`mploader.sampler.seeded_permutation`'s
+        cache): copy it to change it."""
         n = self._length
         if self._shuffle:
-            order = np.random.default_rng([self._seed, epoch]).permutation(n).astype(np.int64)
+            order = seeded_permutation(self._seed, epoch, n)   # read-only, shared: never written
         else:
             order = np.arange(n, dtype=np.int64)
         total = self.num_global_batches * self._global_batch_size

@@ -17,6 +17,7 @@ any other use of NumPy's global random state.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable, Iterator
 from itertools import islice
 from typing import Any
@@ -38,6 +39,19 @@ __all__ = [
 _LAST_BATCH_CHOICES = ("keep", "discard", "rollover")
 
 
+
+
+@functools.lru_cache(maxsize=2)
+def seeded_permutation(seed: int, epoch: int, length: int) -> np.ndarray:
+    """``numpy.random.default_rng([seed, epoch]).permutation(length)``: ndarray of shape
+    ``(length,)``, dtype int64, read-only.  The last two are kept: a loader that stages
+    the next epoch draws its order from a copy of the sampler ahead of time, and the
+    real pass then takes the same array instead of seeding again (seeding costs
+    ~130 us with cold caches, more than the rest of an epoch's start; docs/design.md,
+    "No gap between epochs")."""
+    order = np.random.default_rng([seed, epoch]).permutation(length)
+    order.flags.writeable = False
+    return order
 
 class Sampler:
     """Base class for samplers, as ``mxnet.gluon.data.Sampler``.
@@ -219,8 +233,7 @@ class RandomSampler(Sampler):
             indices = np.arange(self._length)
             np.random.shuffle(indices)
         else:
-            rng = np.random.default_rng([self._seed, epoch])
-            indices = rng.permutation(self._length)
+            indices = seeded_permutation(self._seed, epoch, self._length)
         return iter(indices.tolist())
 
     def __len__(self) -> int:

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import mploader
 from mploader.sampler import (
     BatchSampler,
     FilterSampler,
@@ -112,6 +113,24 @@ def test_random_seeded_matches_documented_generator():
     s = RandomSampler(64, seed=7)
     for epoch in range(3):
         assert list(s) == np.random.default_rng([7, epoch]).permutation(64).tolist()
+
+
+def test_the_kept_permutation_cannot_be_changed_through_a_pass_or_the_global_order():
+    """The last two seeded permutations are kept (a staged epoch's order is drawn
+    once): a pass's list, a changed copy, and passes of other seeds in between leave
+    the next pass of the same (seed, epoch) equal to the documented generator."""
+    reference = np.random.default_rng([5, 0]).permutation(40).tolist()
+    s = RandomSampler(40, seed=5)
+    first = list(s)
+    first.reverse()   # the caller's list is its own
+    order = mploader.DistributedBatchSampler(40, 8, seed=5, rank=0, world_size=1).global_order(0)
+    with pytest.raises(ValueError, match="read-only"):
+        order[0] = -1
+    for seed in (6, 7, 8):   # more (seed, epoch) keys than the cache keeps
+        assert list(RandomSampler(40, seed=seed)) == np.random.default_rng([seed, 0]).permutation(40).tolist()
+    s.set_epoch(0)
+    assert list(s) == reference
+    assert order.tolist() == reference
 
 
 def test_random_seeded_reproducible_per_epoch_and_different_across_epochs():

@@ -14,6 +14,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import mploader
 from mploader._state import StateMismatchError
@@ -310,3 +312,62 @@ def test_sharded_loader_resumes():
         loader.load_state_dict(state)
         assert [[s.tolist() for s in b] for b in loader] == rest == [[data[s].tolist() for s in b]
                                                                        for b in shards[2:]]
+
+
+# ---- snapshots of states (mploader._state.snapshot: deepcopy's value, faster for plain states) ----
+
+_plain = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=5)
+                      | st.binary(max_size=5),
+                      lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner)
+                      | st.dictionaries(st.text(max_size=3) | st.integers(), inner, max_size=4),
+                      max_leaves=20)
+
+
+@settings(max_examples=200, deadline=None)
+@given(state=_plain)
+def test_a_snapshot_of_a_plain_state_equals_deepcopy_and_is_independent(state):
+    from mploader._state import snapshot
+
+    copied = snapshot(state)
+    assert copied == copy.deepcopy(state)
+    assert type(copied) is type(state)
+    before = repr(copied)
+    _mutate(state)
+    assert repr(copied) == before
+
+
+def _mutate(obj) -> None:
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _mutate(v)
+        obj["mutated"] = 1
+    elif isinstance(obj, list):
+        for v in obj:
+            _mutate(v)
+        obj.append("mutated")
+    elif isinstance(obj, tuple):
+        for v in obj:
+            _mutate(v)
+
+
+def test_a_snapshot_of_arrays_shared_objects_or_cycles_is_deepcopys():
+    from mploader._state import snapshot
+
+    arr = np.arange(4)
+    shared = [1, 2]
+    state = {"rng": arr, "a": shared, "b": shared}
+    copied = snapshot(state)
+    assert copied["rng"] is not arr and np.array_equal(copied["rng"], arr)
+    assert copied["a"] is copied["b"] and copied["a"] is not shared   # deepcopy's sharing, kept
+    arr[0] = 99
+    assert copied["rng"][0] == 0
+    cycle: list = [1]
+    cycle.append(cycle)
+    again = snapshot(cycle)
+    assert again[1] is again and again is not cycle
+    deep: list = []
+    node = deep
+    for _ in range(100):   # deeper than the plain copy goes: deepcopy's, the same value
+        node.append([])
+        node = node[0]
+    assert snapshot(deep) == deep
