@@ -252,13 +252,24 @@ class Snapshots:
     torchdata's ``RandomSampler`` regenerates the finished pass's permutation from
     its generator's state, which leaves the generator where the live one is)."""
 
-    __slots__ = ("mode", "first", "after", "end")
+    __slots__ = ("mode", "first", "after", "end", "known")
 
-    def __init__(self) -> None:
+    def __init__(self, known_per_pass: bool = False) -> None:
         self.mode = UNDECIDED
+        # mploader's own batch sampler over a pass fixed at its start: per pass for
+        # certain, so no snapshot is taken -- the mode still turns PER_PASS at the second
+        # pull, as the snapshots would have found (the saved state is the same)
+        self.known = known_per_pass
         self.first: Any = None
         self.after: collections.deque = collections.deque()   # (batch index, snapshot)
         self.end: Any = None   # a per-batch iterator's state once its pass is exhausted
+
+    def pulled_known(self) -> None:
+        """A pull of a pass known to be per pass (``known_per_pass``)."""
+        if self.first is None:
+            self.first = True
+        else:
+            self.mode = PER_PASS
 
     def pulled(self, batch_index: int, snap: tuple, consumed: int) -> None:
         if self.mode == UNDECIDED:
@@ -417,7 +428,8 @@ class MapState:
         snaps = None
         if error is None and (callable(getattr(self.batch_sampler, "state_dict", None))
                               or callable(getattr(it, "state_dict", None))):
-            snaps = Snapshots()
+            known = getattr(self.batch_sampler, "_state_per_pass", None)
+            snaps = Snapshots(known_per_pass=callable(known) and known() is True)
         self.mode = None
         progress = MapProgress(epoch, consumed, ahead, sampler_state, iter_state, error, position, snaps)
         if pending is not None and consumed == 0 and not ahead and pending.get("batch_sampler_mode") == PER_BATCH:
@@ -472,12 +484,15 @@ class MapState:
         for attempt in (0, 1):
             for indices in it:
                 if snaps is not None and snaps.mode != PER_PASS:
-                    try:
-                        snap = (save(self.batch_sampler), save(source))
-                    except Exception as exc:  # noqa: BLE001 - raised by state_dict(): state() raises it
-                        progress.error, progress.snaps, snaps = exc, None, None
+                    if snaps.known:
+                        snaps.pulled_known()
                     else:
-                        snaps.pulled(i, snap, progress.consumed)
+                        try:
+                            snap = (save(self.batch_sampler), save(source))
+                        except Exception as exc:  # noqa: BLE001 - raised by state_dict(): state() raises it
+                            progress.error, progress.snaps, snaps = exc, None, None
+                        else:
+                            snaps.pulled(i, snap, progress.consumed)
                 yield i, indices
                 i += 1
             if i > progress.position or attempt or not progress.retry_empty:

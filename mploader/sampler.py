@@ -336,6 +336,17 @@ class BatchSampler(Sampler):
                 self._prev = batch
             # 'discard': drop it
 
+    def _state_per_pass(self) -> bool:
+        """Whether :meth:`state_dict` stays the same from a pass's first pull to its
+        last batch -- what a loader's checkpoints otherwise find out with two
+        snapshots a pass (mploader._state.Snapshots): exactly this class over a
+        :class:`SequentialSampler` or a seeded :class:`RandomSampler` (whose epoch
+        moves at ``iter()``, before the first pull; the carry at the first pull and
+        after the last batch)."""
+        inner = type(self._sampler)
+        return type(self) is BatchSampler and (inner is SequentialSampler
+                                               or (inner is RandomSampler and self._sampler.seed is not None))
+
     def state_dict(self) -> dict:
         """The checkpoint state (JSON-safe when the sampler's is): ``{"version": 1,
         "kind": "BatchSampler", "batch_size", "last_batch", "sampler_type",
