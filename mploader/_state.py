@@ -355,6 +355,13 @@ class MapProgress:
             self.ahead.add(batch_index)
 
 
+def _rng_state_of(rng: Any, held: Any) -> Any:
+    """The JSON-safe state of ``rng`` as ``held`` (what its ``get()`` returned, or its
+    ``snapshot()``), a new object."""
+    to_state = getattr(rng, "to_state", None)
+    return to_state(held) if to_state is not None else copy.deepcopy(held)
+
+
 class MapState:
     """The checkpoint logic of a map-style loader, shared by the faces.
 
@@ -372,7 +379,9 @@ class MapState:
         The dataset; its ``state_dict`` is saved when it has one.
     batch_sampler : iterable of index lists
         Re-iterated every epoch.
-    rng : object with ``get() -> JSON-safe`` and ``set(state)``, optional
+    rng : object with ``get() -> JSON-safe`` and ``set(state)``, optional (and, where
+        the state is costly to make JSON-safe, ``snapshot()`` and ``to_state(snapshot)
+        -> JSON-safe``: the first pull's state is taken as a snapshot)
         A random generator the sampler draws its order from lazily (torch's
         ``RandomSampler``): its state is taken just before the epoch's first batch is
         pulled, and on resume set for that pull.  Between
@@ -446,8 +455,9 @@ class MapState:
         source = it   # the batch sampler's own iterator (its state is snapshotted)
         if rng is not None:   # the sampler draws its order from rng at the first pull
             first: Any = _END
-            if rng_state is None:
-                progress.rng_state = rng.get()
+            if rng_state is None:   # (a snapshot where the generator can take one cheaply)
+                snapshot = getattr(rng, "snapshot", None)
+                progress.rng_state = snapshot() if snapshot is not None else rng.get()
                 first = next(it, _END)
             else:
                 saved = rng.get() if getattr(rng, "shared", False) else None
@@ -546,7 +556,7 @@ class MapState:
                 iter_state = copy.deepcopy(progress.iter_state)
             rng_state, rng_at = None, None
             if rng is not None:   # before the first pull the generator has not drawn yet
-                rng_state = copy.deepcopy(progress.rng_state) if progress.rng_state is not None else rng.get()
+                rng_state = _rng_state_of(rng, progress.rng_state) if progress.rng_state is not None else rng.get()
                 rng_at = "first_pull"
         state = {
             "version": VERSION,
