@@ -426,7 +426,7 @@ def _epoch_rows(methods: Sequence[str], loaders: Sequence[str], repeats: int, ec
                     cell["steady_ms"].append(statistics.median(summary["steady_ms"]))
                     cell["steady_mean_ms"].append(statistics.fmean(summary["steady_ms"]))
                     echo(f"  repeat {r + 1}/{repeats} {which:8s} {method:10s} persistent={persistent}: first "
-                         f"{spread(summary['first_ms'], '.1f')} ms, steady "
+                         f"{spread(summary['first_ms'], '.2f')} ms, steady "
                          f"{statistics.median(summary['steady_ms']):.2f} ms")
     return [{"loader": which, "method": method, "persistent": persistent, **cell}
             for (which, method, persistent), cell in cells.items()]
@@ -462,7 +462,7 @@ def format_epoch_table(report: dict) -> str:
     for r in report["epoch_rows"]:
         means = r.get("steady_mean_ms", [])
         lines.append(f"| {r['method']} | {'persistent' if r['persistent'] else 'restarted'} | "
-                     f"{_epoch_label(r['loader'])} | {spread(r['first_ms'], '.1f')} | "
+                     f"{_epoch_label(r['loader'])} | {spread(r['first_ms'], '.2f')} | "
                      f"{spread(r['steady_ms'], '.2f')} | {ratio(r['first_ms'], r['steady_ms'])} | "
                      f"{spread(means, '.2f') if means else '--'} | {ratio(r['first_ms'], means)} |")
     errors = [f"{r['loader']} {r['method']} persistent={r['persistent']}: {e}" for r in report["epoch_rows"]

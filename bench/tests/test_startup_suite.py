@@ -40,6 +40,6 @@ def test_the_epoch_table_gives_first_batch_and_steady_state_side_by_side():
             {"loader": "gluon", "method": "forkserver", "persistent": True, "first_ms": [], "steady_ms": [],
              "errors": ["boom"]}]
     table = startup.format_epoch_table({"repeats": 3, "epoch_rows": rows, "epoch_setting": startup.epoch_setting()})
-    assert "| fork | persistent | mploader.torch | 40.0 (30.0-50.0) | 2.00 (1.00-3.00) | 20.0 |" in table
+    assert "| fork | persistent | mploader.torch | 40.00 (30.00-50.00) | 2.00 (1.00-3.00) | 20.0 |" in table
     assert "| forkserver | persistent | mploader (Gluon, seed=) | -- | -- | -- |" in table
     assert "gluon forkserver persistent=True: boom" in table
