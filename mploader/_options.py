@@ -73,6 +73,8 @@ def check_int(name: str, value: Any, *, minimum: int | None = None, maximum: int
     ValueError
         ``value`` is outside ``[minimum, maximum]``.
     """
+    if type(value) is int and (minimum is None or value >= minimum) and (maximum is None or value <= maximum):
+        return value   # the common case, first: set_epoch() runs at every epoch's start
     if value is None and none_ok:
         return None
     if minimum is None:

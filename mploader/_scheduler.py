@@ -29,7 +29,7 @@ import functools
 import itertools
 import pickle
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from . import _bad_samples, _memory, _ring, _steps, _watchdog
@@ -381,7 +381,7 @@ class Scheduler(Dispatch):
                     self.abandon(staged)
                     raise
             pushback = run.pushback
-            same = len(pushback) >= k and all(_same_task(pushback[i], tasks[i].source) for i in range(k))
+            same = len(pushback) >= k and _same_tasks(itertools.islice(pushback, k), tasks)
         if same:
             _steps.adopt(run, staged)
             self.stats["staged_used"] += k
@@ -531,11 +531,12 @@ class Scheduler(Dispatch):
         return ready, max(0, held)
 
 
-def _same_task(a: Any, b: Any) -> bool:
-    """Whether two task tuples are equal (one whose ``==`` is not a plain truth value,
-    such as a tuple holding an array, is taken as different)."""
+def _same_tasks(pulled: Iterable[tuple], staged: Iterable[Task]) -> bool:
+    """Whether the task tuples ``pulled`` equal the sources of the tasks ``staged``, in
+    order (in one list comparison; a tuple whose ``==`` is not a plain truth value,
+    such as one holding an array, is taken as different)."""
     try:
-        return bool(a == b)
+        return bool(list(pulled) == [t.source for t in staged])
     except Exception:  # noqa: BLE001 -- an elementwise ==: not taken over
         return False
 

@@ -383,3 +383,20 @@ def test_the_call_that_takes_staged_batches_over_stages_nothing(unstaged):
     with _gluon(0, **kw) as loader:
         inline = _epochs(loader)
     assert got == ref == inline
+
+
+def test_the_take_over_compares_every_task_and_refuses_an_elementwise_equality():
+    """``_same_tasks`` (the take-over's comparison): equal only if every task tuple is,
+    in order; a tuple whose ``==`` is elementwise (an index array) is taken as different,
+    without raising."""
+    from types import SimpleNamespace
+
+    from mploader._scheduler import _same_tasks
+
+    staged = [SimpleNamespace(source=(1, i, [2 * i, 2 * i + 1])) for i in range(3)]
+    assert _same_tasks([(1, 0, [0, 1]), (1, 1, [2, 3]), (1, 2, [4, 5])], staged)
+    assert not _same_tasks([(1, 0, [0, 1]), (1, 1, [2, 3]), (1, 2, [4, 6])], staged)   # the last differs
+    assert not _same_tasks([(1, 0, [0, 1]), (1, 2, [4, 5]), (1, 1, [2, 3])], staged)   # the order differs
+    assert not _same_tasks([(2, 0, [0, 1]), (2, 1, [2, 3]), (2, 2, [4, 5])], staged)   # another epoch
+    arrays = [SimpleNamespace(source=(1, 0, np.array([0, 1])))]
+    assert not _same_tasks([(1, 0, np.array([0, 1]))], arrays)
