@@ -41,17 +41,31 @@ _LAST_BATCH_CHOICES = ("keep", "discard", "rollover")
 
 
 
-@functools.lru_cache(maxsize=2)
+#: Longest permutation :func:`seeded_permutation` keeps (8 MiB of int64 each): beyond it
+#: the permutation itself costs milliseconds, and the seeding it spares is noise.
+KEEP_PERMUTATION_MAX = 1 << 20
+
+
 def seeded_permutation(seed: int, epoch: int, length: int) -> np.ndarray:
     """``numpy.random.default_rng([seed, epoch]).permutation(length)``: ndarray of shape
-    ``(length,)``, dtype int64, read-only.  The last two are kept: a loader that stages
-    the next epoch draws its order from a copy of the sampler ahead of time, and the
-    real pass then takes the same array instead of seeding again (seeding costs
-    ~130 us with cold caches, more than the rest of an epoch's start; docs/design.md,
-    "No gap between epochs")."""
+    ``(length,)``, dtype int64, read-only.  The last two of at most
+    :data:`KEEP_PERMUTATION_MAX` indices are kept: a loader that stages the next epoch
+    draws its order from a copy of the sampler ahead of time, and the real pass then
+    takes the same array instead of seeding again (seeding costs ~130 us with cold
+    caches, more than the rest of an epoch's start; docs/design.md, "No gap between
+    epochs")."""
+    if length <= KEEP_PERMUTATION_MAX:
+        return _kept_permutation(seed, epoch, length)
+    return _permutation(seed, epoch, length)
+
+
+def _permutation(seed: int, epoch: int, length: int) -> np.ndarray:
     order = np.random.default_rng([seed, epoch]).permutation(length)
     order.flags.writeable = False
     return order
+
+
+_kept_permutation = functools.lru_cache(maxsize=2)(_permutation)
 
 class Sampler:
     """Base class for samplers, as ``mxnet.gluon.data.Sampler``.

@@ -133,6 +133,20 @@ def test_the_kept_permutation_cannot_be_changed_through_a_pass_or_the_global_ord
     assert order.tolist() == reference
 
 
+def test_only_short_permutations_are_kept(monkeypatch):
+    """A long permutation is drawn every time and held by nobody after its pass (a kept
+    one of 100M indices would hold 800 MB); a short one is drawn once."""
+    import mploader.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "KEEP_PERMUTATION_MAX", 16)
+    short = sampler_module.seeded_permutation(1, 2, 16)
+    assert sampler_module.seeded_permutation(1, 2, 16) is short
+    long_ = sampler_module.seeded_permutation(1, 2, 17)
+    again = sampler_module.seeded_permutation(1, 2, 17)
+    assert again is not long_ and not again.flags.writeable
+    assert again.tolist() == long_.tolist() == np.random.default_rng([1, 2]).permutation(17).tolist()
+
+
 def test_random_seeded_reproducible_per_epoch_and_different_across_epochs():
     a = RandomSampler(200, seed=3)
     b = RandomSampler(200, seed=3)
