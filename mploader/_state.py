@@ -165,6 +165,47 @@ def snapshot(state: Any) -> Any:
         return copy.deepcopy(state)
 
 
+class StateToken:
+    """A state not made yet: ``owner._state_from_token(token)`` makes it, the same dict
+    ``owner.state_dict()`` returned when :func:`peek` took the token.  For samplers
+    whose state is a function of a few immutable values (mploader's
+    ``DistributedBatchSampler`` and its passes: the epoch and the global batches
+    yielded), so that the snapshot a per-batch state needs after every pull costs a
+    tuple, not two state dicts and their copies.  Equal tokens of one owner are equal
+    states."""
+
+    __slots__ = ("owner", "token")
+
+    def __init__(self, owner: Any, token: tuple) -> None:
+        self.owner = owner
+        self.token = token
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is StateToken and other.owner is self.owner and other.token == self.token
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def state(self) -> Any:
+        return self.owner._state_from_token(self.token)
+
+
+def peek(obj: Any) -> Any:
+    """:func:`save`, or a :class:`StateToken` where ``obj._state_token()`` gives one."""
+    method = getattr(obj, "_state_token", None)
+    token = method() if method is not None else None
+    return StateToken(obj, token) if token is not None else save(obj)
+
+
+def made(snap: Any) -> Any:
+    """A deep copy of a snapshot taken with :func:`peek` (or a tuple of such), its
+    tokens made into states."""
+    if type(snap) is StateToken:
+        return snap.state()
+    if type(snap) is tuple:
+        return tuple(made(x) for x in snap)
+    return copy.deepcopy(snap)
+
+
 def save(obj: Any) -> Any:
     """A deep copy of ``obj.state_dict()`` (:func:`snapshot`), or None when ``obj`` has
     no ``state_dict`` (the copy is a snapshot: later iteration does not change it)."""
@@ -498,7 +539,7 @@ class MapState:
                         snaps.pulled_known()
                     else:
                         try:
-                            snap = (save(self.batch_sampler), save(source))
+                            snap = (peek(self.batch_sampler), peek(source))
                         except Exception as exc:  # noqa: BLE001 - raised by state_dict(): state() raises it
                             progress.error, progress.snaps, snaps = exc, None, None
                         else:
@@ -549,7 +590,7 @@ class MapState:
             snap = snaps.at(consumed) if snaps is not None and snaps.mode == PER_BATCH and consumed > position \
                 else None
             if snap is not None:   # a per-batch state: as of the last batch received
-                sampler_state, iter_state = copy.deepcopy(snap)
+                sampler_state, iter_state = made(snap)
                 position = consumed
             else:
                 sampler_state = copy.deepcopy(progress.sampler_state)

@@ -221,6 +221,19 @@ class DistributedBatchSampler:
             return current.state_dict()
         return self._make_state(self._epoch, self._start)
 
+    def _state_token(self) -> tuple | None:
+        """(mploader._state.peek) What :meth:`state_dict` is a function of now: the
+        epoch and the global batches consumed; None for a subclass."""
+        if type(self) is not DistributedBatchSampler:
+            return None
+        current = self._pass()
+        if current is not None and not current.exhausted:
+            return current.epoch, current.position
+        return self._epoch, self._start
+
+    def _state_from_token(self, token: tuple) -> dict:
+        return self._make_state(*token)
+
     def load_state_dict(self, state: dict) -> None:
         """Make the next pass continue the saved epoch after its consumed global batches.
 
@@ -275,6 +288,13 @@ class _Pass(Iterator[list]):
     def state_dict(self) -> dict:
         """The sampler's state format: this pass's epoch and global batches yielded."""
         return self._sampler._make_state(self.epoch, self.position)
+
+    def _state_token(self) -> tuple | None:
+        """(mploader._state.peek) The epoch and the global batches yielded."""
+        return (self.epoch, self.position) if type(self._sampler) is DistributedBatchSampler else None
+
+    def _state_from_token(self, token: tuple) -> dict:
+        return self._sampler._make_state(*token)
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved state (any rank's, any world size).

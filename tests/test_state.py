@@ -402,3 +402,45 @@ def test_a_known_per_pass_sampler_saves_the_states_the_snapshots_find(last_batch
         assert a == b
     modes = {s.get("batch_sampler_mode") for s in states_known}
     assert modes == ({None, "undecided"} if n == BATCH else {None, "per pass"}), modes
+
+
+class _OpaqueDistributed(mploader.DistributedBatchSampler):
+    """mploader's DistributedBatchSampler under another type: its per-batch states are
+    taken as state dicts after every pull (the general path), not as tokens."""
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_a_per_batch_state_taken_as_a_token_is_the_state_dict(workers, drop_last):
+    """Every state_dict() (before, between and after every batch of 3 epochs, workers
+    pulling ahead) of a loader over DistributedBatchSampler -- whose per-batch states
+    are kept as (epoch, global batches) tokens -- equals that of the same sampler under
+    another type, kept as state dicts; and each is the sampler's own state for the
+    batches received (set_epoch as documented)."""
+    def run(cls):
+        sampler = cls(N, 4, seed=5, rank=0, world_size=2, drop_last=drop_last)
+        loader = mploader.DataLoader(Augmented(), batch_sampler=sampler, num_workers=workers, seed=7, copy=True)
+        states, batches = [], []
+        try:
+            for epoch in range(3):
+                sampler.set_epoch(epoch)
+                states.append(json.loads(json.dumps(loader.state_dict())))
+                for batch in loader:
+                    batches.append(as_lists(batch))
+                    states.append(json.loads(json.dumps(loader.state_dict())))
+                states.append(json.loads(json.dumps(loader.state_dict())))
+        finally:
+            loader.close()
+        return states, batches, sampler
+    states_token, batches_token, sampler = run(mploader.DistributedBatchSampler)
+    states_dict, batches_dict, _ = run(_OpaqueDistributed)
+    assert batches_token == batches_dict
+    consumed = [s["batch_sampler_state"]["global_batches_consumed"] for s in states_token]
+    assert max(consumed) == sampler.num_global_batches and consumed.count(0) >= 3
+    for a, b in zip(states_token, states_dict, strict=True):
+        assert a.pop("batch_sampler_type").endswith(".DistributedBatchSampler")
+        assert b.pop("batch_sampler_type").endswith("_OpaqueDistributed")
+        assert a == b
+    mid = [s for s in states_token if s["batches_consumed"] > 0]
+    assert mid and all(s["batch_sampler_state"]["global_batches_consumed"] == s["batches_consumed"]
+                       for s in mid if s["batch_sampler_mode"] == "per batch")
