@@ -168,11 +168,12 @@ def snapshot(state: Any) -> Any:
 class StateToken:
     """A state not made yet: ``owner._state_from_token(token)`` makes it, the same dict
     ``owner.state_dict()`` returned when :func:`peek` took the token.  For samplers
-    whose state is a function of a few immutable values (mploader's
-    ``DistributedBatchSampler`` and its passes: the epoch and the global batches
-    yielded), so that the snapshot a per-batch state needs after every pull costs a
-    tuple, not two state dicts and their copies.  Equal tokens of one owner are equal
-    states."""
+    whose state is a function of a few immutable values -- mploader's
+    ``DistributedBatchSampler`` and its passes (the epoch and the global batches
+    yielded), ``BatchSampler`` over a ``SequentialSampler`` or a seeded
+    ``RandomSampler`` (the carry and the epoch) -- so that the snapshots a pass takes
+    after its pulls (:class:`Snapshots`) cost a tuple each, not state dicts and their
+    copies.  Equal tokens of one owner are equal states."""
 
     __slots__ = ("owner", "token")
 
@@ -203,7 +204,7 @@ def made(snap: Any) -> Any:
         return snap.state()
     if type(snap) is tuple:
         return tuple(made(x) for x in snap)
-    return copy.deepcopy(snap)
+    return snapshot(snap)
 
 
 def save(obj: Any) -> Any:
@@ -293,24 +294,13 @@ class Snapshots:
     torchdata's ``RandomSampler`` regenerates the finished pass's permutation from
     its generator's state, which leaves the generator where the live one is)."""
 
-    __slots__ = ("mode", "first", "after", "end", "known")
+    __slots__ = ("mode", "first", "after", "end")
 
-    def __init__(self, known_per_pass: bool = False) -> None:
+    def __init__(self) -> None:
         self.mode = UNDECIDED
-        # mploader's own batch sampler over a pass fixed at its start: per pass for
-        # certain, so no snapshot is taken -- the mode still turns PER_PASS at the second
-        # pull, as the snapshots would have found (the saved state is the same)
-        self.known = known_per_pass
         self.first: Any = None
         self.after: collections.deque = collections.deque()   # (batch index, snapshot)
         self.end: Any = None   # a per-batch iterator's state once its pass is exhausted
-
-    def pulled_known(self) -> None:
-        """A pull of a pass known to be per pass (``known_per_pass``)."""
-        if self.first is None:
-            self.first = True
-        else:
-            self.mode = PER_PASS
 
     def pulled(self, batch_index: int, snap: tuple, consumed: int) -> None:
         if self.mode == UNDECIDED:
@@ -478,8 +468,7 @@ class MapState:
         snaps = None
         if error is None and (callable(getattr(self.batch_sampler, "state_dict", None))
                               or callable(getattr(it, "state_dict", None))):
-            known = getattr(self.batch_sampler, "_state_per_pass", None)
-            snaps = Snapshots(known_per_pass=callable(known) and known() is True)
+            snaps = Snapshots()
         self.mode = None
         progress = MapProgress(epoch, consumed, ahead, sampler_state, iter_state, error, position, snaps)
         if pending is not None and consumed == 0 and not ahead and pending.get("batch_sampler_mode") == PER_BATCH:
@@ -535,15 +524,12 @@ class MapState:
         for attempt in (0, 1):
             for indices in it:
                 if snaps is not None and snaps.mode != PER_PASS:
-                    if snaps.known:
-                        snaps.pulled_known()
+                    try:
+                        snap = (peek(self.batch_sampler), peek(source))
+                    except Exception as exc:  # noqa: BLE001 - raised by state_dict(): state() raises it
+                        progress.error, progress.snaps, snaps = exc, None, None
                     else:
-                        try:
-                            snap = (peek(self.batch_sampler), peek(source))
-                        except Exception as exc:  # noqa: BLE001 - raised by state_dict(): state() raises it
-                            progress.error, progress.snaps, snaps = exc, None, None
-                        else:
-                            snaps.pulled(i, snap, progress.consumed)
+                        snaps.pulled(i, snap, progress.consumed)
                 yield i, indices
                 i += 1
             if i > progress.position or attempt or not progress.retry_empty:

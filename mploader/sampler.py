@@ -224,8 +224,16 @@ class RandomSampler(Sampler):
         if self._seed is None:
             raise ValueError("RandomSampler(seed=None) draws its order from NumPy's global random state, which a "
                              "checkpoint cannot rebuild: pass seed=<int> to save and resume it")
+        return self._state_from_token((self._epoch,))
+
+    def _state_token(self) -> tuple | None:
+        """(mploader._state.peek) What :meth:`state_dict` is a function of now: the
+        epoch; None without a seed (no state) or for a subclass."""
+        return (self._epoch,) if type(self) is RandomSampler and self._seed is not None else None
+
+    def _state_from_token(self, token: tuple) -> dict:
         return {"version": _state.VERSION, "kind": "RandomSampler", "length": self._length, "seed": self._seed,
-                "epoch": self._epoch}
+                "epoch": token[0]}
 
     def load_state_dict(self, state: dict) -> None:
         """Adopt a :meth:`state_dict`: its seed and the epoch of the next pass.
@@ -350,26 +358,35 @@ class BatchSampler(Sampler):
                 self._prev = batch
             # 'discard': drop it
 
-    def _state_per_pass(self) -> bool:
-        """Whether :meth:`state_dict` stays the same from a pass's first pull to its
-        last batch -- what a loader's checkpoints otherwise find out with two
-        snapshots a pass (mploader._state.Snapshots): exactly this class over a
-        :class:`SequentialSampler` or a seeded :class:`RandomSampler` (whose epoch
-        moves at ``iter()``, before the first pull; the carry at the first pull and
-        after the last batch)."""
-        inner = type(self._sampler)
-        return type(self) is BatchSampler and (inner is SequentialSampler
-                                               or (inner is RandomSampler and self._sampler.seed is not None))
-
     def state_dict(self) -> dict:
         """The checkpoint state (JSON-safe when the sampler's is): ``{"version": 1,
         "kind": "BatchSampler", "batch_size", "last_batch", "sampler_type",
         "carry"`` (the indices ``'rollover'`` carries into the next pass) ``,
         "sampler"`` (the sampler's ``state_dict()``, or None when it has none)``}``.
         Taken between passes, it rebuilds the next pass."""
+        return self._make_state(list(self._prev), _state.save(self._sampler))
+
+    def _make_state(self, carry: list, sampler_state: Any) -> dict:
         return {"version": _state.VERSION, "kind": "BatchSampler", "batch_size": self._batch_size,
                 "last_batch": self._last_batch, "sampler_type": _state.type_name(self._sampler),
-                "carry": list(self._prev), "sampler": _state.save(self._sampler)}
+                "carry": carry, "sampler": sampler_state}
+
+    def _state_token(self) -> tuple | None:
+        """(mploader._state.peek) What :meth:`state_dict` is a function of now -- the
+        carry and the sampler's token (``()``: a :class:`SequentialSampler`, which has
+        no state) -- for exactly this class over a :class:`SequentialSampler` or a
+        seeded :class:`RandomSampler`; None otherwise."""
+        if type(self) is not BatchSampler:
+            return None
+        inner = self._sampler
+        if type(inner) is SequentialSampler:
+            return tuple(self._prev), ()
+        token = inner._state_token() if type(inner) is RandomSampler else None
+        return (tuple(self._prev), token) if token is not None else None
+
+    def _state_from_token(self, token: tuple) -> dict:
+        carry, inner = token
+        return self._make_state(list(carry), self._sampler._state_from_token(inner) if inner else None)
 
     def load_state_dict(self, state: dict) -> None:
         """Adopt a :meth:`state_dict`: the carried indices and the sampler's state.

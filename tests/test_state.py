@@ -373,11 +373,11 @@ def test_a_snapshot_of_arrays_shared_objects_or_cycles_is_deepcopys():
     assert snapshot(deep) == deep
 
 
-# ---- a pass known to be per pass takes no snapshots, and saves the same states ----
+# ---- a batch sampler whose snapshots are tokens saves the same states ----
 
 class _Opaque(BatchSampler):
-    """mploader's BatchSampler under another type: the loader cannot know its state is
-    per pass, and finds it out with two snapshots a pass (the general path)."""
+    """mploader's BatchSampler under another type: its snapshots are state dicts (the
+    general path), not tokens."""
 
 
 @pytest.mark.parametrize("last_batch, n", [("keep", N), ("rollover", N), ("discard", N), ("keep", BATCH)])
@@ -385,14 +385,14 @@ class _Opaque(BatchSampler):
 def test_a_known_per_pass_sampler_saves_the_states_the_snapshots_find(last_batch, n, shuffle):
     """Every state_dict() (before, between and after every batch of 3 epochs; one-batch
     passes included, whose mode stays undecided) of mploader's own BatchSampler --
-    known per pass, no snapshots -- equals that of the same sampler under another type,
+    snapshots taken as tokens -- equals that of the same sampler under another type,
     whose states the snapshots decide; the type's name aside."""
     def loader(cls):
         inner = RandomSampler(n, seed=3) if shuffle else SequentialSampler(n)
         return mploader.DataLoader(Augmented(n), batch_sampler=cls(inner, BATCH, last_batch), num_workers=0,
                                    seed=7, copy=True)
     known, opaque = loader(BatchSampler), loader(_Opaque)
-    assert known._batch_sampler._state_per_pass() and not opaque._batch_sampler._state_per_pass()
+    assert known._batch_sampler._state_token() is not None and opaque._batch_sampler._state_token() is None
     states_known, batches_known = run_all(known, epochs=3)
     states_opaque, batches_opaque = run_all(opaque, epochs=3)
     assert batches_known == batches_opaque
