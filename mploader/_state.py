@@ -390,7 +390,7 @@ def _rng_state_of(rng: Any, held: Any) -> Any:
     """The JSON-safe state of ``rng`` as ``held`` (what its ``get()`` returned, or its
     ``snapshot()``), a new object."""
     to_state = getattr(rng, "to_state", None)
-    return to_state(held) if to_state is not None else copy.deepcopy(held)
+    return to_state(held) if to_state is not None else snapshot(held)
 
 
 class MapState:

@@ -151,7 +151,7 @@ class _GlobalRNG:
 def _rng_list(snap: Any) -> list:
     """A generator's state as ``get()`` gives it (a list of ints) from a ``snapshot()``
     (a uint8 tensor) or from such a list (a loaded state): a new list either way."""
-    return snap.tolist() if isinstance(snap, torch.Tensor) else copy.deepcopy(snap)
+    return snap.tolist() if isinstance(snap, torch.Tensor) else _state.snapshot(snap)
 
 
 def _check_generator_state(state: Any, name: str, nbytes: int) -> None:
