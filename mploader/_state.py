@@ -437,19 +437,20 @@ class MapState:
                     iterators_per_epoch: int = 1) -> tuple[MapProgress, Iterator[tuple]]:
         """Begin epoch ``epoch`` (or, after :meth:`load`, the loaded epoch at its
         position; the face passes the epoch :meth:`load` returned).  The batch
-        sampler's state is taken before ``iter()`` and its iterator's right after;
-        both are deep copies.  ``it``: the epoch's iterator when the face already made
-        it (torch's iterators do); ``iterators_per_epoch``: how many times the face
-        iterates the batch sampler at an epoch's start (torch's multi-process iterator
-        makes two and uses the last: a sampler that draws when iterated, such as
-        torchdata's ``RandomSampler``, draws twice), which a pass started again
-        (:meth:`_pulls`) repeats."""
+        sampler's state is taken before ``iter()`` and its iterator's right after,
+        each with :func:`peek` (a :class:`StateToken` where the sampler gives one, made
+        into its dict only when :meth:`state` asks; a deep copy otherwise).  ``it``:
+        the epoch's iterator when the face already made it (torch's iterators do);
+        ``iterators_per_epoch``: how many times the face iterates the batch sampler at
+        an epoch's start (torch's multi-process iterator makes two and uses the last: a
+        sampler that draws when iterated, such as torchdata's ``RandomSampler``, draws
+        twice), which a pass started again (:meth:`_pulls`) repeats."""
         pending, self.pending = self.pending, None
         consumed, ahead, position = 0, set(), 0
         error = None
         sampler_state = iter_state = None
         try:
-            sampler_state = save(self.batch_sampler)
+            sampler_state = peek(self.batch_sampler)
         except Exception as exc:  # noqa: BLE001 - raised by state_dict(), not by iteration
             error = exc
         if it is None:
@@ -462,7 +463,7 @@ class MapState:
                         "batch_sampler_iter_state")
         if error is None:
             try:
-                iter_state = save(it) if pending is None else snapshot(pending["batch_sampler_iter_state"])
+                iter_state = peek(it) if pending is None else snapshot(pending["batch_sampler_iter_state"])
             except Exception as exc:  # noqa: BLE001 - raised by state_dict(), not by iteration
                 error = exc
         snaps = None
@@ -579,8 +580,7 @@ class MapState:
                 sampler_state, iter_state = made(snap)
                 position = consumed
             else:
-                sampler_state = copy.deepcopy(progress.sampler_state)
-                iter_state = copy.deepcopy(progress.iter_state)
+                sampler_state, iter_state = made((progress.sampler_state, progress.iter_state))
             rng_state, rng_at = None, None
             if rng is not None:   # before the first pull the generator has not drawn yet
                 rng_state = _rng_state_of(rng, progress.rng_state) if progress.rng_state is not None else rng.get()

@@ -224,15 +224,16 @@ class RandomSampler(Sampler):
         if self._seed is None:
             raise ValueError("RandomSampler(seed=None) draws its order from NumPy's global random state, which a "
                              "checkpoint cannot rebuild: pass seed=<int> to save and resume it")
-        return self._state_from_token((self._epoch,))
+        return self._state_from_token((self._epoch, self._seed))
 
     def _state_token(self) -> tuple | None:
         """(mploader._state.peek) What :meth:`state_dict` is a function of now: the
-        epoch; None without a seed (no state) or for a subclass."""
-        return (self._epoch,) if type(self) is RandomSampler and self._seed is not None else None
+        epoch and the seed (:meth:`load_state_dict` may change it later); None without
+        a seed (no state) or for a subclass."""
+        return (self._epoch, self._seed) if type(self) is RandomSampler and self._seed is not None else None
 
     def _state_from_token(self, token: tuple) -> dict:
-        return {"version": _state.VERSION, "kind": "RandomSampler", "length": self._length, "seed": self._seed,
+        return {"version": _state.VERSION, "kind": "RandomSampler", "length": self._length, "seed": token[1],
                 "epoch": token[0]}
 
     def load_state_dict(self, state: dict) -> None:

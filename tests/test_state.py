@@ -404,6 +404,27 @@ def test_a_known_per_pass_sampler_saves_the_states_the_snapshots_find(last_batch
     assert modes == ({None, "undecided"} if n == BATCH else {None, "per pass"}), modes
 
 
+def test_the_epoch_start_state_is_kept_when_the_sampler_is_loaded_mid_epoch():
+    """The batch sampler's state at an epoch's start is kept as a token (the carry, the
+    sampler's epoch and seed): a seed loaded into the sampler mid-epoch changes neither
+    it nor the loader's state_dict() for that epoch -- as for a sampler whose state is
+    deep-copied at the epoch's start (the opaque type)."""
+    def states(cls):
+        inner = RandomSampler(N, seed=3)
+        with mploader.DataLoader(Augmented(N), batch_sampler=cls(inner, BATCH, "rollover"), num_workers=0,
+                                 seed=7, copy=True) as loader:
+            it = iter(loader)
+            next(it)
+            before = loader.state_dict()
+            inner.load_state_dict({**inner.state_dict(), "seed": 11})
+            after = loader.state_dict()
+        before.pop("batch_sampler_type"), after.pop("batch_sampler_type")
+        return before, after
+    known, opaque = states(BatchSampler), states(_Opaque)
+    assert known[0] == known[1] == opaque[0] == opaque[1]
+    assert known[0]["batch_sampler_state"]["sampler"]["seed"] == 3
+
+
 class _OpaqueDistributed(mploader.DistributedBatchSampler):
     """mploader's DistributedBatchSampler under another type: its per-batch states are
     taken as state dicts after every pull (the general path), not as tokens."""
