@@ -28,9 +28,10 @@ samples that each take ``SAMPLE_MS`` of CPU, a training step of ``STEP_MS`` (a s
 the accelerator's time) -- for ``EPOCHS`` epochs of ``EPOCH_BATCHES`` batches, with
 persistent workers and without, for mploader's torch face, torch's ``DataLoader`` and
 mploader's Gluon face with ``seed=`` (whose order is fixed in advance; its workers
-always persist), and the torch face with ``seed=`` and a sampler generator of its own
-(``mploader-seed``: an order fixed in advance, so the next epoch's first batches are
-dispatched while an epoch ends; a loader named with the suffix ``/unstaged``, e.g.
+always persist) and over a ``DistributedBatchSampler`` (``gluon-dist``: rank 0 of 1,
+``set_epoch`` before each epoch), and the torch face with ``seed=`` and a sampler
+generator of its own (``mploader-seed``): orders fixed in advance, so the next epoch's
+first batches are dispatched while an epoch ends (a loader named with the suffix ``/unstaged``, e.g.
 ``--epoch-loaders gluon,gluon/unstaged``, runs with that staging off, interleaved).
 Each cell runs in a fresh process.  The table gives the wait for the first batch of
 epochs 2 and later (from ``iter()`` to the first ``next()``'s return) against the
@@ -62,7 +63,7 @@ CHILD_TIMEOUT_S = 600
 DEFAULT_SETUP_S = 1.0
 PARTS = ("first", "epochs")
 # The epoch-boundary cells (the issue's setting).
-EPOCH_LOADERS = ("mploader", "mploader-seed", "torch", "gluon")
+EPOCH_LOADERS = ("mploader", "mploader-seed", "torch", "gluon", "gluon-dist")
 #: ``--epoch-loaders`` suffix: the same loader with the next epoch's staging off
 #: (mploader._scheduler.STAGE_NEXT_EPOCH; docs/design.md, "No gap between epochs"),
 #: for an A/B in one run.
@@ -321,7 +322,10 @@ class BusyDataset:
         return np.full(64, i, dtype=np.float32)
 
 
-def _epoch_loader(which: str, method: str, persistent: bool) -> Any:
+def _epoch_loader(which: str, method: str, persistent: bool) -> tuple[Any, Any]:
+    """The loader of an epoch cell, and what the training loop calls before each
+    epoch's ``iter()`` with the epoch (``set_epoch`` of a ``DistributedBatchSampler``,
+    as its users do; None for the others)."""
     from mploader_bench.startup import BusyDataset as Importable  # by reference, not __main__'s
 
     dataset = Importable()
@@ -334,7 +338,13 @@ def _epoch_loader(which: str, method: str, persistent: bool) -> Any:
         import mploader
 
         return mploader.DataLoader(dataset, batch_size=EPOCH_BATCH, shuffle=True, num_workers=EPOCH_WORKERS,
-                                   start_method=method, seed=0)
+                                   start_method=method, seed=0), None
+    if which == "gluon-dist":   # the Gluon face over DistributedBatchSampler (rank 0 of 1), set_epoch each epoch
+        import mploader
+
+        sampler = mploader.DistributedBatchSampler(len(dataset), EPOCH_BATCH, seed=0, rank=0, world_size=1)
+        return mploader.DataLoader(dataset, batch_sampler=sampler, num_workers=EPOCH_WORKERS,
+                                   start_method=method, seed=0), sampler.set_epoch
     import torch.utils.data
 
     if which == "mploader-seed":   # an order fixed in advance: seed= and the sampler's own generator
@@ -342,7 +352,7 @@ def _epoch_loader(which: str, method: str, persistent: bool) -> Any:
 
         return mploader.torch.DataLoader(dataset, batch_size=EPOCH_BATCH, shuffle=True, num_workers=EPOCH_WORKERS,
                                          multiprocessing_context=method, persistent_workers=persistent, seed=0,
-                                         generator=torch.Generator().manual_seed(0))
+                                         generator=torch.Generator().manual_seed(0)), None
     if which == "mploader":
         import mploader.torch
 
@@ -350,7 +360,7 @@ def _epoch_loader(which: str, method: str, persistent: bool) -> Any:
     else:
         cls = torch.utils.data.DataLoader
     return cls(dataset, batch_size=EPOCH_BATCH, shuffle=True, num_workers=EPOCH_WORKERS,
-               multiprocessing_context=method, persistent_workers=persistent)
+               multiprocessing_context=method, persistent_workers=persistent), None
 
 
 def epoch_child(which: str, method: str, persistent: bool) -> dict[str, Any]:
@@ -360,10 +370,12 @@ def epoch_child(which: str, method: str, persistent: bool) -> dict[str, Any]:
     its workers); a ``STEP_MS`` sleep after each batch."""
     import torch  # noqa: F401 - the setting is a torch user's process
 
-    loader = _epoch_loader(which, method, persistent)
+    loader, before_epoch = _epoch_loader(which, method, persistent)
     waits: list[list[float]] = []
     try:
-        for _ in range(EPOCHS):
+        for e in range(EPOCHS):
+            if before_epoch is not None:
+                before_epoch(e)
             t0 = time.perf_counter()
             it = iter(loader)
             epoch: list[float] = []
@@ -378,11 +390,13 @@ def epoch_child(which: str, method: str, persistent: bool) -> dict[str, Any]:
                 time.sleep(STEP_MS / 1000)
             waits.append(epoch)
             del it
+        stats = loader.stats() if hasattr(loader, "stats") else {}
     finally:
         close = getattr(loader, "close", None)
         if close is not None:
             close()
-    return {"waits": waits}
+    # the batches dispatched ahead and taken over (mploader's loaders; docs/design.md, "No gap between epochs")
+    return {"waits": waits, "staged_used": stats.get("staged_used"), "staged_dropped": stats.get("staged_dropped")}
 
 
 def _run_epoch_child(which: str, method: str, persistent: bool) -> dict[str, Any]:
@@ -425,15 +439,18 @@ def _epoch_rows(methods: Sequence[str], loaders: Sequence[str], repeats: int, ec
                     # one median per run: each run weighs the same
                     cell["steady_ms"].append(statistics.median(summary["steady_ms"]))
                     cell["steady_mean_ms"].append(statistics.fmean(summary["steady_ms"]))
+                    staged = ("" if res.get("staged_used") is None else
+                              f", staged batches used {res['staged_used']}, dropped {res['staged_dropped']}")
                     echo(f"  repeat {r + 1}/{repeats} {which:8s} {method:10s} persistent={persistent}: first "
                          f"{spread(summary['first_ms'], '.2f')} ms, steady "
-                         f"{statistics.median(summary['steady_ms']):.2f} ms")
+                         f"{statistics.median(summary['steady_ms']):.2f} ms{staged}")
     return [{"loader": which, "method": method, "persistent": persistent, **cell}
             for (which, method, persistent), cell in cells.items()]
 
 
 EPOCH_LABELS = {"mploader": "mploader.torch", "mploader-seed": "mploader.torch (seed=, generator=)",
-                "torch": "torch", "gluon": "mploader (Gluon, seed=)"}
+                "torch": "torch", "gluon": "mploader (Gluon, seed=)",
+                "gluon-dist": "mploader (Gluon, DistributedBatchSampler)"}
 
 
 def _epoch_label(which: str) -> str:

@@ -43,3 +43,22 @@ def test_the_epoch_table_gives_first_batch_and_steady_state_side_by_side():
     assert "| fork | persistent | mploader.torch | 40.00 (30.00-50.00) | 2.00 (1.00-3.00) | 20.0 |" in table
     assert "| forkserver | persistent | mploader (Gluon, seed=) | -- | -- | -- |" in table
     assert "gluon forkserver persistent=True: boom" in table
+
+
+def test_the_distributed_epoch_cell_gives_the_samplers_epochs_and_takes_the_staged_batches():
+    """``gluon-dist``: the training loop's set_epoch(e) before each iter(), and the
+    batches of each epoch are DistributedBatchSampler's order for that epoch
+    (``numpy.random.default_rng([0, e]).permutation``, rank 0 of 1), the second
+    epoch's taken over from the batches dispatched while the first ended."""
+    import numpy as np
+
+    loader, before_epoch = startup._epoch_loader("gluon-dist", "fork", True)
+    try:
+        for e in range(2):
+            before_epoch(e)
+            got = [b[:, 0].astype(int).tolist() for b in loader]
+            order = np.random.default_rng([0, e]).permutation(len(loader) * startup.EPOCH_BATCH).tolist()
+            assert got == [order[i:i + startup.EPOCH_BATCH] for i in range(0, len(order), startup.EPOCH_BATCH)]
+        assert loader.stats()["staged_used"] > 0
+    finally:
+        loader.close()
