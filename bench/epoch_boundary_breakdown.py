@@ -22,7 +22,8 @@ import time
 from collections import defaultdict
 from typing import Any
 
-import numpy as np
+# The footprint script's dataset and pause (this script's directory is on sys.path when run as a file)
+from epoch_boundary_footprint import Rows, pause
 
 import mploader
 from mploader import _dispatch, _engine, _receive, _run, _scheduler, _state, _steps, dataloader, sampler
@@ -66,20 +67,6 @@ def _wrap() -> None:
             setattr(owner, name, _timed(getattr(owner, name), f"{owner.__name__}.{name}"))
 
 
-class Rows:
-    def __len__(self) -> int:
-        return 16 * 8
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        return np.full(64, i, np.float32)
-
-
-def _spin(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
-
-
 def main(epochs: int) -> None:
     _wrap()
     loader = mploader.DataLoader(Rows(), batch_size=8, shuffle=True, num_workers=2, seed=0)
@@ -88,8 +75,8 @@ def main(epochs: int) -> None:
     try:
         for _ in range(epochs):
             for _batch in it:
-                _spin(0.002)
-            _spin(0.02)
+                pause("spin", 0.002)
+            pause("spin", 0.02)
             _spent.clear()
             _ON[0] = True
             t0 = time.perf_counter_ns()
