@@ -445,7 +445,9 @@ class _RingIter(_BaseDataLoaderIter):
     """One pass (or, with ``persistent_workers``, every pass) over a DataLoader on
     mploader's engine.  Task assignment is torch's ``_try_put_index``: round-robin
     over the workers still active (with ``in_order=False``, only to workers holding
-    fewer than ``prefetch_factor * num_workers // active`` tasks)."""
+    fewer than ``prefetch_factor * num_workers // active`` tasks); with ``seed=``, a
+    map-style dataset and ``in_order=True``, the least-loaded worker (the engine's
+    pick: a batch does not depend on its worker there)."""
 
     def __init__(self, loader: DataLoader) -> None:
         super().__init__(loader)
@@ -508,7 +510,11 @@ class _RingIter(_BaseDataLoaderIter):
         self._engine = engine
         self._mpl_ended = False
         self._pinned_region = pinned
-        self._dispatch = _Dispatch(self._num_workers, self._prefetch_factor, self._in_order)
+        # With seed= a batch is a function of its task alone, so which worker builds it
+        # changes nothing in it: map-style tasks in order go to the least-loaded worker,
+        # as in the Gluon face (docs/faces.md, "Tasks"); otherwise torch's round robin.
+        free = loader.seed is not None and self._in_order and not self._is_iterable
+        self._dispatch = _Dispatch(self._num_workers, self._prefetch_factor, self._in_order, round_robin=not free)
         if resume is not None:
             self._dispatch.resume(resume["assigned"], resume["next_worker"])
         self._epoch = loader._mpl.next_epoch()
@@ -631,8 +637,8 @@ class _RingIter(_BaseDataLoaderIter):
 
 
 def _next_tasks(ref: weakref.ref) -> Iterator[tuple] | None:
-    """The tasks a persistent iterator's next pass will give the engine (torch's round
-    robin from worker 0), where the batch sampler's order is fixed now and can be
+    """The tasks a persistent iterator's next pass will give the engine (none names a
+    worker: staging needs ``seed=``, under which the engine picks them), where the batch sampler's order is fixed now and can be
     drawn without changing anything: torch's ``BatchSampler`` over a
     ``SequentialSampler``, or over a ``RandomSampler`` with its own ``generator``
     (drawn from a copy of the generator: the real one draws when torch's iterator
@@ -649,8 +655,9 @@ def _next_tasks(ref: weakref.ref) -> Iterator[tuple] | None:
     batches = _next_batches(loader._index_sampler)
     if batches is None:
         return None
-    epoch, n = loader._mpl.epoch, loader.num_workers
-    return ((epoch, i, indices, i % n) for i, indices in enumerate(batches))
+    epoch = loader._mpl.epoch
+    # (staged only with seed=, in order, map-style: no task names a worker; _RingIter._reset)
+    return ((epoch, i, indices, None) for i, indices in enumerate(batches))
 
 
 def _next_batches(index_sampler: Any) -> Iterator[Any] | None:
@@ -727,14 +734,19 @@ class _Dispatch:
     end) the iterator has not received yet -- the engine tags each result with its
     worker and batch index, so a result settles exactly its own entry, and settling
     it again (the same record after an interrupt) changes nothing.  Holds no
-    reference to the iterator (no iterator <-> run cycle)."""
+    reference to the iterator (no iterator <-> run cycle).  With
+    ``round_robin=False`` (``seed=``, map-style, in order) no task names a worker:
+    the engine gives each to the least-loaded one (``Dispatch._pick_worker``), and
+    ``unpinned`` holds their batch indices until their results are taken."""
 
-    def __init__(self, num_workers: int, prefetch_factor: int, in_order: bool) -> None:
+    def __init__(self, num_workers: int, prefetch_factor: int, in_order: bool, round_robin: bool = True) -> None:
         self.num_workers = num_workers
         self.max_tasks = prefetch_factor * num_workers
         self.in_order = in_order
+        self.round_robin = round_robin
         self.active = [True] * num_workers
         self.in_flight: list[set[int]] = [set() for _ in range(num_workers)]
+        self.unpinned: set[int] = set()
         self.cycle = 0
         self.preassigned: dict[int, int] = {}   # batch index -> worker, from a checkpoint
         self.limit: int | None = None   # tasks to yield at most (an epoch left early: torch's window)
@@ -751,10 +763,12 @@ class _Dispatch:
         """The result of ``batch_index`` from ``worker_id`` was taken (idempotent)."""
         if 0 <= worker_id < self.num_workers:
             self.in_flight[worker_id].discard(batch_index)
+        if self.unpinned:
+            self.unpinned.discard(batch_index)
 
     def received(self) -> int:
         """Results taken so far (batches, exceptions, replicas' ends)."""
-        return self.yielded - sum(len(s) for s in self.in_flight)
+        return self.yielded - sum(len(s) for s in self.in_flight) - len(self.unpinned)
 
     def assigned(self) -> list[list[int]]:
         """``[batch_index, worker_id]`` of every batch in flight, by batch index."""
@@ -774,6 +788,15 @@ class _Dispatch:
         pair (the checkpoint's stream over what the sampler yields); for an
         IterableDataset ``indices`` is ``("iter", epoch, batch size or None)``."""
         preassigned = self.preassigned
+        if not self.round_robin:
+            unpinned = self.unpinned
+            for send_idx, index in pairs:
+                if self.limit is not None and self.yielded >= self.limit:
+                    return
+                unpinned.add(send_idx)
+                self.yielded += 1
+                yield (epoch, send_idx, index, None)
+            return
         for send_idx, index in pairs:
             if self.limit is not None and self.yielded >= self.limit:
                 return

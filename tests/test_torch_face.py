@@ -477,6 +477,52 @@ def test_per_batch_seed_gives_the_same_batches_for_any_num_workers(no_leaks):
                                   {k: v for k, v in y.items() if k != "worker"})
 
 
+class WorkerZeroSlow(Dataset):
+    """Sample ``i`` is ``[i, worker id]``; worker 0 takes ``slow_s`` per sample, worker 1 none."""
+
+    def __init__(self, n=24, slow_s=0.1):
+        self.n, self.slow_s = n, slow_s
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import time
+        info = get_worker_info()
+        if info is not None and info.id == 0:
+            time.sleep(self.slow_s)   # (a slow worker, not synchronisation: nothing waits on it)
+        return torch.tensor([i, -1 if info is None else info.id])
+
+
+@needs_engine
+def test_seed_gives_each_task_to_the_least_loaded_worker_and_torchs_round_robin_otherwise(no_leaks):
+    """docs/faces.md, "Tasks": without ``seed=`` batch ``i`` is built by the worker
+    torch's own DataLoader gives it (``i % 2`` here), however slow that worker is; with
+    ``seed=`` a batch does not depend on its worker, and the engine gives each task to
+    the least-loaded one: with one worker taking 100 ms a sample and the other none,
+    the assignment is no longer the round robin.  The batches' samples are the same
+    either way."""
+    def workers(cls, **kw):
+        loader = cls(WorkerZeroSlow(), batch_size=1, num_workers=2, prefetch_factor=2, **kw)
+        try:
+            batches = list(loader)
+        finally:
+            getattr(loader, "close", lambda: None)()
+        assert [int(b[0, 0]) for b in batches] == list(range(24))
+        return [int(b[0, 1]) for b in batches]
+
+    reference = workers(TorchDataLoader)
+    assert reference == [i % 2 for i in range(24)]
+    assert workers(DataLoader) == reference
+    free = workers(DataLoader, seed=0)
+    # Batches are consumed in order, so the parent refills one task per batch it takes;
+    # the first refill (batch 4, after batch 0) finds worker 0 still on batch 2 and
+    # worker 1 done, and goes to worker 1 (round robin: worker 0).  Observed: worker 1
+    # builds 14 of the 24.
+    assert free != reference
+    assert sorted(set(free)) == [0, 1]
+
+
 class Rows(Dataset):
     def __len__(self):
         return 10

@@ -24,7 +24,9 @@ batches, in the order of that list:
     slot, turned into numpy arrays with ``Tensor.numpy()`` (zero-copy).
     ``mploader.torch-tensors`` and ``torch-tensors`` (opt-in, ``--transports``)
     run the two torch loaders over the dataset in torch style
-    (:class:`TensorSamples`: samples of tensors).
+    (:class:`TensorSamples`: samples of tensors).  ``mploader.torch-seed`` (the
+    transport suite) passes ``seed=``, under which each task goes to the
+    least-loaded worker, not torch's round robin.
 ``torch``
     :class:`torch.utils.data.DataLoader` with persistent forked workers,
     ``prefetch_factor=2`` and its default collate; tensors are turned into
@@ -482,9 +484,9 @@ def register(cls: type[Transport]) -> type[Transport]:
 
 
 # The torch transports live in peers_torch (imported here: they use the names above).
-from .peers_torch import _MPLTorch, _MPLTorchTensors, _Torch, _TorchTensors  # noqa: E402
+from .peers_torch import _MPLTorch, _MPLTorchSeed, _MPLTorchTensors, _Torch, _TorchTensors  # noqa: E402
 
-for _cls in (_MPLoader, _MPLTorch, _MPLTorchTensors, _Pickle, _Queue, _Torch, _TorchTensors, _Inline):
+for _cls in (_MPLoader, _MPLTorch, _MPLTorchSeed, _MPLTorchTensors, _Pickle, _Queue, _Torch, _TorchTensors, _Inline):
     register(_cls)
 
 

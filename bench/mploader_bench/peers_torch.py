@@ -89,6 +89,9 @@ class _MPLTorch(_MPLoader):
     requires = ("torch.utils.data", "mploader.torch")
     tensor_samples = False
 
+    #: Pass the suite's seed as ``seed=`` (per-batch seeding; tasks to the least-loaded worker).
+    per_batch_seed = False
+
     def __init__(self, dataset: Any, **kw: Any) -> None:
         Transport.__init__(self, dataset, **kw)  # not _MPLoader's: it builds the Gluon loader
         import mploader.torch
@@ -101,12 +104,25 @@ class _MPLTorch(_MPLoader):
                 extra["prefetch_factor"] = max(1, self.prefetch // self.workers)
         else:
             extra = {}
+        if self.per_batch_seed:
+            extra["seed"] = self.seed
         if self.tensor_samples:
             dataset = TensorSamples(dataset)
         self._loader: Any = mploader.torch.DataLoader(  # None once closed
             dataset, batch_sampler=self._sampler, num_workers=self.workers, **extra)
 
     _convert = staticmethod(_torch_to_numpy)  # tensors -> zero-copy numpy views of the slot
+
+
+class _MPLTorchSeed(_MPLTorch):
+    """``mploader.torch`` with ``seed=``: a batch is a function of its task alone, so
+    each task goes to the least-loaded worker instead of torch's round robin
+    (docs/faces.md, "Tasks"); in the transport suite, beside the torch face as torch
+    users get it by default (issue 24's target read on both)."""
+
+    name = "mploader.torch-seed"
+    suites = ("transport",)
+    per_batch_seed = True
 
 
 class _MPLTorchTensors(_MPLTorch):

@@ -18,7 +18,7 @@ cache read from the OS (:mod:`mploader_bench.cachesize`, :mod:`.synthetic`).
 the cache; its rows are named ``<size>-resident``.
 
 The transports are those of :mod:`mploader_bench.peers` (``mploader``,
-``mploader.torch``, ``pickle``, ``queue``, ``torch`` when installed; ``inline``
+``mploader.torch``, ``mploader.torch-seed``, ``pickle``, ``queue``, ``torch`` when installed; ``inline``
 on request), all with the same number of workers, plus two references:
 
 ``copy-limit``
@@ -115,7 +115,7 @@ EVERY_RUN_TARGETS: tuple[tuple[str, str, float], ...] = (
     ("large", COPY_LIMIT, 0.85),
     ("large", "torch", 4.0),
 )
-FACES = ("mploader", "mploader.torch")
+FACES = ("mploader", "mploader.torch", "mploader.torch-seed")
 #: Sizes whose rows get a share of copy-limit: for tiny batches (2 kB) copy-limit
 #: measures numpy's per-call cost, not the memory bus.
 COPY_SHARE_SIZES = ("small", "large")
