@@ -14,9 +14,9 @@ each worker's random stream sees torch's batches (docs/faces.md).  The Gluon fac
 it.  Everything else -- the suite's cold pool, the bracketing by copy-limit blocks,
 the checks of every batch -- is the transport suite's (:mod:`mploader_bench.transport`).
 Results: docs/bench-log.md, "Seventh session: the torch face's round robin on two
-cores" (where ``mploader.torch-free`` was the same pick made by a patch in the
-benchmark's process) and "Ninth session: the torch face's worker assignment under
-``seed=``".
+cores" and "Ninth session: the torch face's worker assignment under seed=" (in the
+first, ``mploader.torch-free`` was the same pick made by a patch in the benchmark's
+process).
 """
 from __future__ import annotations
 
