@@ -638,11 +638,12 @@ class _RingIter(_BaseDataLoaderIter):
 
 def _next_tasks(ref: weakref.ref) -> Iterator[tuple] | None:
     """The tasks a persistent iterator's next pass will give the engine (none names a
-    worker: staging needs ``seed=``, under which the engine picks them), where the batch sampler's order is fixed now and can be
-    drawn without changing anything: torch's ``BatchSampler`` over a
-    ``SequentialSampler``, or over a ``RandomSampler`` with its own ``generator``
-    (drawn from a copy of the generator: the real one draws when torch's iterator
-    does, in torch's order), and mploader's samplers (:func:`mploader.sampler.next_pass`).
+    worker: staging needs ``seed=``, under which the engine picks them), where the
+    batch sampler's order is fixed now and can be drawn without changing anything:
+    torch's ``BatchSampler`` over a ``SequentialSampler``, or over a ``RandomSampler``
+    with its own ``generator`` (drawn from a copy of the generator: the real one draws
+    when torch's iterator does, in torch's order), and mploader's samplers
+    (:func:`mploader.sampler.next_pass`).
     None otherwise, and while a loaded state is pending.  The engine dispatches the
     first ones as the epoch ends and uses them only if the next pass asks for the same
     (docs/design.md, "No gap between epochs")."""
