@@ -36,6 +36,7 @@ class Dispatch(Receive):
     # The scheduler's state this part reads and writes besides Receive's (Scheduler.__init__)
     seq: int
     slot_hint: int
+    pick_from: int
     depth: int
     warned_full: bool
 
@@ -278,19 +279,27 @@ class Dispatch(Receive):
 
     def _running_worker(self, pinned: int | None) -> Channel | None:
         """:meth:`_pick_worker` while every worker is running and none retires, without
-        building lists; None otherwise (the caller takes the general path)."""
+        building lists; None otherwise (the caller takes the general path).  Of the
+        least loaded, the first from ``pick_from`` (the one after the worker picked
+        last), so equally loaded workers take tasks in turn (docs/design.md,
+        "Workers")."""
         workers = self.res.workers
-        if len(workers) != self.engine.num_workers:
+        n = len(workers)
+        if n != self.engine.num_workers:
             return None
         if pinned is None:
-            best, least = None, 0
-            for w in workers:
+            best, least = -1, 0
+            start = self.pick_from
+            for k in range(n):
+                i = (start + k) % n
+                w = workers[i]
                 if w.retiring or w.status is not None:
                     return None
                 left = self._load(w)
-                if best is None or left < least:
-                    best, least = w, left
-            return best
+                if best < 0 or left < least:
+                    best, least = i, left
+            self.pick_from = best + 1 if best + 1 < n else 0
+            return workers[best]
         if 0 <= pinned < len(workers):
             w = workers[pinned]  # started in wid order (after a replacement maybe not: the general path)
             if w.wid == pinned and not w.retiring and w.status is None:

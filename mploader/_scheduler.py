@@ -80,6 +80,7 @@ class Scheduler(Dispatch):
         self.res = res
         self.seq = 0
         self.slot_hint = 0
+        self.pick_from = 0   # where the least-loaded pick starts looking (Dispatch._running_worker)
         self.generation = 0          # bumped when all workers are killed after a failure
         self.stale: list[Task] = []
         self.stale_pipe: set[int] = set()
