@@ -28,7 +28,7 @@ import argparse
 import statistics
 import time
 
-from epoch_boundary_footprint import Rows, pause
+from epoch_boundary_footprint import Rows, pause, time_epochs
 
 import mploader
 
@@ -40,30 +40,8 @@ def _loader() -> mploader.DataLoader:
 def boundary(mode: str, epochs: int, ahead: bool) -> tuple[float, float]:
     """(median first-batch wait, median steady next()), µs."""
     loader = _loader()
-    first, steady = [], []
-    it = iter(loader)
     try:
-        for _ in range(epochs):
-            k = 0
-            while True:
-                pause(mode, 0.002)
-                t0 = time.perf_counter_ns()
-                b = next(it, None)
-                t1 = time.perf_counter_ns()
-                if b is None:
-                    break
-                k += 1
-                if k >= 4:
-                    steady.append(t1 - t0)
-                del b
-            if ahead:
-                it = iter(loader)
-            pause(mode, 0.02)
-            t0 = time.perf_counter_ns()
-            if not ahead:
-                it = iter(loader)
-            next(it)
-            first.append(time.perf_counter_ns() - t0)
+        first, _, steady = time_epochs(loader, mode, epochs, ahead)
     finally:
         loader.close()
     return statistics.median(first) / 1e3, statistics.median(steady) / 1e3

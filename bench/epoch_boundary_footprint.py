@@ -38,11 +38,14 @@ def pause(mode: str, seconds: float) -> None:
         pass
 
 
-def main(mode: str) -> None:
-    loader = mploader.DataLoader(Rows(), batch_size=8, shuffle=True, num_workers=2, seed=0)
+def time_epochs(loader: mploader.DataLoader, mode: str, epochs: int, ahead: bool = False) -> tuple[list, list, list]:
+    """Run ``epochs`` epochs of ``loader``; return the nanoseconds of each staged epoch's
+    ``iter()`` + first ``next()``, of its ``iter()``, and of every steady ``next()``.
+    ``ahead``: call ``iter()`` right after the previous epoch's end, before the pause
+    (then only the first ``next()`` is timed; ``bench/epoch_boundary_floor.py``)."""
     first, iters, steady = [], [], []
     it = iter(loader)
-    for _ in range(200):
+    for _ in range(epochs):
         k = 0
         while True:
             pause(mode, 0.002)
@@ -54,18 +57,31 @@ def main(mode: str) -> None:
             k += 1
             if k >= 4:
                 steady.append(t1 - t0)
+            del b
+        if ahead:
+            it = iter(loader)
         pause(mode, 0.02)
         t0 = time.perf_counter_ns()
-        it = iter(loader)
+        if not ahead:
+            it = iter(loader)
         t1 = time.perf_counter_ns()
         next(it)
         t2 = time.perf_counter_ns()
         first.append(t2 - t0)
         iters.append(t1 - t0)
+    return first, iters, steady
+
+
+def main(mode: str) -> None:
+    loader = mploader.DataLoader(Rows(), batch_size=8, shuffle=True, num_workers=2, seed=0)
+    try:
+        first, iters, steady = time_epochs(loader, mode, 200)
+        staged_used = loader.stats()["staged_used"]
+    finally:
+        loader.close()
     print(f"{mode}: iter()+first next() {statistics.median(first) / 1e3:.1f} us (iter() "
           f"{statistics.median(iters) / 1e3:.1f}), steady next() {statistics.median(steady) / 1e3:.1f} us, "
-          f"staged_used {loader.stats()['staged_used']}")
-    loader.close()
+          f"staged_used {staged_used}")
 
 
 if __name__ == "__main__":
