@@ -44,8 +44,18 @@ def hang_case(body: str, timeout_s: float) -> None:
 def test_a_worker_sleeping_for_ever_is_replaced_and_the_epoch_is_identical():
     """Gluon face, seed=: the epoch with a worker stuck on sample 37 is bit-identical
     to the undisturbed one; one stall, one respawn; the logged stack, taken inside
-    the worker, names the sleeping frame; the slots end FREE, two workers live."""
+    the worker, names the sleeping frame; the slots end FREE, two workers live.
+
+    The next epoch is not staged here: its tasks queue behind this epoch's in every
+    worker, so the worker that finished its share first could meet sample 37 in a
+    staged task and hang there (a hang the next epoch would meet, never this one's)
+    while the other built this epoch's 37 unhindered -- no stall in this epoch (CI,
+    2026-11-27, once equally loaded workers took tasks in turn).  The staged case is
+    ``test_a_worker_stuck_on_a_batch_staged_for_the_next_epoch_is_replaced``."""
     hang_case("""
+        import mploader._scheduler
+        mploader._scheduler.STAGE_NEXT_EPOCH = False
+
         def epoch(hangs):
             loader = mploader.DataLoader(Hanging(hangs=hangs), batch_size=4, shuffle=True, num_workers=2, seed=5,
                                          stall_timeout=1.5)
@@ -161,8 +171,13 @@ def test_a_batch_that_hangs_on_every_try_raises_with_both_stacks():
 
 
 def test_without_the_watchdog_a_hang_is_the_users_timeout():
-    """stall_timeout=None: nothing is replaced; the loader's own timeout ends the wait."""
+    """stall_timeout=None: nothing is replaced; the loader's own timeout ends the wait.
+    (The next epoch is not staged, so that sample 37 hangs in this epoch: see
+    ``test_a_worker_sleeping_for_ever_is_replaced_and_the_epoch_is_identical``.)"""
     hang_case("""
+        import mploader._scheduler
+        mploader._scheduler.STAGE_NEXT_EPOCH = False
+
         loader = mploader.DataLoader(Hanging(), batch_size=4, num_workers=2, seed=1, stall_timeout=None, timeout=1.0)
         try:
             list(loader)
@@ -170,6 +185,8 @@ def test_without_the_watchdog_a_hang_is_the_users_timeout():
             raise AssertionError("the watchdog ran")
         except TimeoutError as exc:
             assert "took more than 1.0 s" in str(exc), exc
+        else:
+            raise AssertionError("no TimeoutError")
         assert loader.stats()["stalls"] == 0
         loader.close()
         print("OK")
