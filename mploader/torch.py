@@ -737,8 +737,9 @@ class _Dispatch:
     it again (the same record after an interrupt) changes nothing.  Holds no
     reference to the iterator (no iterator <-> run cycle).  With
     ``round_robin=False`` (``seed=``, map-style, in order) no task names a worker:
-    the engine gives each to the least-loaded one (``Dispatch._pick_worker``), and
-    ``unpinned`` holds their batch indices until their results are taken."""
+    the engine gives each to the least-loaded one (``Dispatch._pick_worker``); the
+    round robin's bookkeeping (``in_flight``, :meth:`received`, :meth:`assigned`,
+    ``limit``: torch's seeding's checkpoints and drained window) is not kept then."""
 
     def __init__(self, num_workers: int, prefetch_factor: int, in_order: bool, round_robin: bool = True) -> None:
         self.num_workers = num_workers
@@ -747,7 +748,6 @@ class _Dispatch:
         self.round_robin = round_robin
         self.active = [True] * num_workers
         self.in_flight: list[set[int]] = [set() for _ in range(num_workers)]
-        self.unpinned: set[int] = set()
         self.cycle = 0
         self.preassigned: dict[int, int] = {}   # batch index -> worker, from a checkpoint
         self.limit: int | None = None   # tasks to yield at most (an epoch left early: torch's window)
@@ -764,12 +764,10 @@ class _Dispatch:
         """The result of ``batch_index`` from ``worker_id`` was taken (idempotent)."""
         if 0 <= worker_id < self.num_workers:
             self.in_flight[worker_id].discard(batch_index)
-        if self.unpinned:
-            self.unpinned.discard(batch_index)
 
     def received(self) -> int:
         """Results taken so far (batches, exceptions, replicas' ends)."""
-        return self.yielded - sum(len(s) for s in self.in_flight) - len(self.unpinned)
+        return self.yielded - sum(len(s) for s in self.in_flight)
 
     def assigned(self) -> list[list[int]]:
         """``[batch_index, worker_id]`` of every batch in flight, by batch index."""
@@ -790,12 +788,7 @@ class _Dispatch:
         IterableDataset ``indices`` is ``("iter", epoch, batch size or None)``."""
         preassigned = self.preassigned
         if not self.round_robin:
-            unpinned = self.unpinned
             for send_idx, index in pairs:
-                if self.limit is not None and self.yielded >= self.limit:
-                    return
-                unpinned.add(send_idx)
-                self.yielded += 1
                 yield (epoch, send_idx, index, None)
             return
         for send_idx, index in pairs:
