@@ -87,7 +87,7 @@ from .synthetic import (
     describe_sample,
     make_dataset,
 )
-from .transport_blocks import bracket_rate, merge, plan
+from .transport_blocks import BUS_LEVEL_CHANGE, bracket_rate, bracket_values, merge, plan
 
 __all__ = ["SIZES", "CACHE_MODES", "TARGETS", "REFERENCE", "CollateLimit", "CopyLimit",
            "SyntheticDataset", "make_dataset", "run", "main"]
@@ -553,6 +553,7 @@ def _repetition(rep: int, case: str, cache: str, live: dict[str, Any], report: d
             continue
         if bracket and got["transport"] not in LIMITS:
             got["copy_limit_batches_per_s"] = bracket_rate(done, i, COPY_LIMIT)
+            got["copy_limit_around"] = bracket_values(done, i, COPY_LIMIT)
         by_name.setdefault(got["transport"], []).append(got)
     rates = []
     for name, rs in by_name.items():
@@ -573,14 +574,35 @@ def _paired(by: dict, case: str, name: str, ref: str) -> list[float]:
 
     Over copy-limit, a record that ran bracketed is divided by the copy-limit measured
     around its own blocks (``copy_limit_batches_per_s``), not by the repetition's."""
+    return [ratio for _, ratio in _paired_records(by, case, name, ref)]
+
+
+def _paired_records(by: dict, case: str, name: str, ref: str) -> list[tuple[dict, float]]:
+    """(:func:`_paired`) Each of `name`'s records with its ratio."""
     theirs = {r["repeat"]: r["batches_per_s"] for r in by.get((case, ref), [])}
     out = []
     for r in by.get((case, name), []):
         around = r.get("copy_limit_batches_per_s") if ref == COPY_LIMIT else None
         if around:
-            out.append(r["batches_per_s"] / around)
+            out.append((r, r["batches_per_s"] / around))
         elif theirs.get(r["repeat"]):
-            out.append(r["batches_per_s"] / theirs[r["repeat"]])
+            out.append((r, r["batches_per_s"] / theirs[r["repeat"]]))
+    return out
+
+
+def _below(by: dict, case: str, name: str, ref: str, minimum: float) -> list[dict]:
+    """The repetitions where `name`'s ratio over `ref` fell below `minimum`: ``repeat``
+    (counted from 0), ``value``, and over copy-limit ``copy_limit_range`` (the slowest
+    and fastest copy-limit block beside its blocks, or None) and ``bus_changed``
+    (their ratio is at least :data:`~.transport_blocks.BUS_LEVEL_CHANGE`: the memory
+    bus changed level during the transport's blocks)."""
+    out = []
+    for r, ratio in _paired_records(by, case, name, ref):
+        if ratio >= minimum:
+            continue
+        span = r.get("copy_limit_range") if ref == COPY_LIMIT else None
+        out.append(dict(repeat=r["repeat"], value=ratio, copy_limit_range=span,
+                        bus_changed=None if not span else span[1] >= BUS_LEVEL_CHANGE * span[0]))
     return out
 
 
@@ -651,7 +673,8 @@ def _summarise(report: dict) -> None:
             got = report["medians"].get(size, {}).get(name, {}).get(key)
             report["every_run_targets"].append(dict(
                 size=size, transport=name, what=what, minimum=minimum, value=got,
-                met=None if got is None else got["min"] >= minimum))
+                met=None if got is None else got["min"] >= minimum,
+                below=_below(by, size, name, COPY_LIMIT if what == COPY_LIMIT else "torch", minimum)))
 
 
 def main(argv: Sequence[str] | None = None, *, default_out: str | None = "bench/results") -> int:

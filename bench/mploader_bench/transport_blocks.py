@@ -18,7 +18,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["plan", "bracket_rate", "merge"]
+__all__ = ["plan", "bracket_values", "bracket_rate", "merge", "BUS_LEVEL_CHANGE"]
+
+#: A transport's copy-limit blocks whose fastest is at least this many times their
+#: slowest: the memory bus changed level while the transport ran (this VM's bus
+#: switches between ~600 and ~800-950 large batches/s; within a level its copy-limit
+#: blocks spread by up to ~1.2x), so its share of copy-limit in that repetition mixes
+#: the levels (docs/bench.md, "The references: copy-limit and collate-limit").
+BUS_LEVEL_CHANGE = 1.25
 
 
 def plan(names: Sequence[str], *, copy_limit: str, unbracketed: Sequence[str] = (),
@@ -68,6 +75,17 @@ def plan(names: Sequence[str], *, copy_limit: str, unbracketed: Sequence[str] = 
     return steps + [n for n in names if n in unbracketed]
 
 
+def bracket_values(steps: Sequence[tuple[str, float | None]], index: int, copy_limit: str) -> list[float]:
+    """The rates of the copy-limit steps just before and just after step `index` that
+    ran, in that order (empty when neither did); arguments as :func:`bracket_rate`."""
+    around: list[float] = []
+    for j in (index - 1, index + 1):
+        rate = steps[j][1] if 0 <= j < len(steps) and steps[j][0] == copy_limit else None
+        if rate:
+            around.append(rate)
+    return around
+
+
 def bracket_rate(steps: Sequence[tuple[str, float | None]], index: int, copy_limit: str) -> float | None:
     """Copy-limit's rate around step `index`: the mean of the nearest copy-limit
     steps just before and just after it that ran (one if only one did).
@@ -86,11 +104,7 @@ def bracket_rate(steps: Sequence[tuple[str, float | None]], index: int, copy_lim
     float or None
         None when neither neighbour is a copy-limit step that ran.
     """
-    around: list[float] = []
-    for j in (index - 1, index + 1):
-        rate = steps[j][1] if 0 <= j < len(steps) and steps[j][0] == copy_limit else None
-        if rate:
-            around.append(rate)
+    around = bracket_values(steps, index, copy_limit)
     return sum(around) / len(around) if around else None
 
 
@@ -99,9 +113,11 @@ def merge(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
     Batches, seconds and CPU seconds (also ``others_cpu_s``: the work of other
     processes meanwhile, over ``span_s`` wall seconds) add up; the rate is batches over seconds; the
-    copy-limit around it (``copy_limit_batches_per_s``) is the mean of its blocks'.
-    Each block is kept under ``blocks`` (batches, seconds, batches_per_s,
-    copy_limit_batches_per_s).
+    copy-limit around it (``copy_limit_batches_per_s``) is the mean of its blocks',
+    and ``copy_limit_range`` the slowest and fastest copy-limit block beside any of
+    its blocks (``[min, max]`` of the records' ``copy_limit_around``, :func:`bracket_values`;
+    None when unbracketed).  Each block is kept under ``blocks`` (batches, seconds,
+    batches_per_s, copy_limit_batches_per_s, copy_limit_around).
 
     Parameters
     ----------
@@ -127,9 +143,12 @@ def merge(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     around = [r.get("copy_limit_batches_per_s") for r in records]
     known = [a for a in around if a]
     out["copy_limit_batches_per_s"] = sum(known) / len(known) if known else None
+    beside = [v for r in records for v in r.get("copy_limit_around") or ()]
+    out["copy_limit_range"] = [min(beside), max(beside)] if beside else None
     if len(records) > 1 or first.get("copy_limit_batches_per_s") is not None:
         out["blocks"] = [dict(batches=r["batches"], seconds=r["seconds"], batches_per_s=r["batches_per_s"],
-                              copy_limit_batches_per_s=r.get("copy_limit_batches_per_s"))
+                              copy_limit_batches_per_s=r.get("copy_limit_batches_per_s"),
+                              copy_limit_around=r.get("copy_limit_around"))
                          for r in records]
     methods: dict[str, list[float]] = {}
     for r in records:

@@ -69,6 +69,23 @@ def _fmt_share(x: float) -> str:
     return f"{x:.2f}"
 
 
+def _below_text(below: list | None) -> str:
+    """The repetitions an every-repetition target missed, and for a share of copy-limit
+    whether the memory bus changed level meanwhile: ``" (repetition 3: 0.81; copy-limit
+    beside its blocks 544-947 batches/s, the bus changed level)"``."""
+    if not below:
+        return ""
+    parts = []
+    for b in below:
+        text = f"repetition {b['repeat'] + 1}: {b['value']:.2f}"
+        span = b.get("copy_limit_range")
+        if span:
+            text += (f"; copy-limit beside its blocks {_fmt_rate(span[0])}-{_fmt_rate(span[1])} batches/s, "
+                     + ("the bus changed level" if b.get("bus_changed") else "one level"))
+        parts.append(text)
+    return " (" + "; ".join(parts) + ")"
+
+
 def _case_line(case: str, info: dict, meds: dict) -> str:
     """What data a case ran on, and copy-limit's methods."""
     pool = info.get("pool")
@@ -166,7 +183,7 @@ def _print_report(report: dict, out: _Out) -> None:
         mark = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
         what = "share of copy-limit" if t["what"] == "copy-limit" else f"x {t['what']}"
         out.line(f"{t['size']}: {t['transport']} {what} = {_fmt_spread(t['value'], _fmt_share)} "
-                 f"(target >= {t['minimum']:g} in every repetition): {mark}")
+                 f"(target >= {t['minimum']:g} in every repetition): {mark}" + _below_text(t.get("below")))
     for case, errs in report["errors"].items():
         for name, err in errs.items():
             out.line(f"error [{case}] {name}: {err}")

@@ -129,6 +129,8 @@ def test_suite_takes_each_share_against_the_copy_limit_blocks_around_the_row(mon
         cl = [b["batches_per_s"] for b in limit["blocks"]]
         around = [(cl[j] + cl[j + 1]) / 2 for j in range(3)]
         assert [b["copy_limit_batches_per_s"] for b in mine["blocks"]] == pytest.approx(around)
+        assert [b["copy_limit_around"] for b in mine["blocks"]] == [cl[j:j + 2] for j in range(3)]
+        assert mine["copy_limit_range"] == [min(cl), max(cl)]
         assert mine["copy_limit_batches_per_s"] == pytest.approx(sum(around) / 3)
         assert limit["batches_per_s"] == pytest.approx(limit["batches"] / limit["seconds"])
         shares.append(mine["batches_per_s"] / mine["copy_limit_batches_per_s"])
