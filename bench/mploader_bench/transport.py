@@ -87,7 +87,7 @@ from .synthetic import (
     describe_sample,
     make_dataset,
 )
-from .transport_blocks import BUS_LEVEL_CHANGE, bracket_rate, bracket_values, merge, plan
+from .transport_blocks import bracket_rate, bracket_values, merge, plan
 
 __all__ = ["SIZES", "CACHE_MODES", "TARGETS", "REFERENCE", "CollateLimit", "CopyLimit",
            "SyntheticDataset", "make_dataset", "run", "main"]
@@ -559,14 +559,28 @@ def _repetition(rep: int, case: str, cache: str, live: dict[str, Any], report: d
     for name, rs in by_name.items():
         merged = merge(rs)
         report["runs"].append(merged)
-        around = merged.get("copy_limit_batches_per_s")
-        rates.append(f"{name} {_fmt_rate(merged['batches_per_s'])}"
-                     + (f" ({merged['batches_per_s'] / around:.2f} of copy-limit)" if around else ""))
+        rates.append(f"{name} {_fmt_rate(merged['batches_per_s'])}" + _share_note(merged))
     others = [r for rs in by_name.values() for r in rs if r.get("others_cpu_s") is not None]
     if not quiet:
         busy = ("" if not others else f"; other work on the machine: "
                 f"{sum(r['others_cpu_s'] for r in others) / sum(r['span_s'] for r in others):.2f} cores")
         out.line(f"[{case}] repeat {rep + 1}/{repeats}: " + ", ".join(rates) + " batches/s" + busy)
+
+
+def _share_note(rec: dict) -> str:
+    """A repetition line's share of copy-limit for one record: over its steady blocks
+    when bracketed (``" (0.91 of copy-limit, 2 of 4 blocks steady)"``), else over the
+    copy-limit around it; "" without a reference."""
+    held = rec.get("steady")
+    n = len(rec.get("blocks") or ())
+    if held is not None:
+        if not held["copy_limit_batches_per_s"]:
+            return f" (no steady block of {n}: the bus changed level beside each)"
+        share = held["batches_per_s"] / held["copy_limit_batches_per_s"]
+        return f" ({share:.2f} of copy-limit" + (f", {held['blocks']} of {n} blocks steady)" if held["blocks"] < n
+                                                  else ")")
+    around = rec.get("copy_limit_batches_per_s")
+    return f" ({rec['batches_per_s'] / around:.2f} of copy-limit)" if around else ""
 
 
 def _paired(by: dict, case: str, name: str, ref: str) -> list[float]:
@@ -578,10 +592,17 @@ def _paired(by: dict, case: str, name: str, ref: str) -> list[float]:
 
 
 def _paired_records(by: dict, case: str, name: str, ref: str) -> list[tuple[dict, float]]:
-    """(:func:`_paired`) Each of `name`'s records with its ratio."""
+    """(:func:`_paired`) Each of `name`'s records with its ratio.  Over copy-limit, a
+    bracketed record's ratio is taken over its steady blocks only (``steady``:
+    :func:`.transport_blocks.merge`), and a repetition without one has none."""
     theirs = {r["repeat"]: r["batches_per_s"] for r in by.get((case, ref), [])}
     out = []
     for r in by.get((case, name), []):
+        held = r.get("steady") if ref == COPY_LIMIT else None
+        if held is not None:
+            if held["copy_limit_batches_per_s"]:
+                out.append((r, held["batches_per_s"] / held["copy_limit_batches_per_s"]))
+            continue
         around = r.get("copy_limit_batches_per_s") if ref == COPY_LIMIT else None
         if around:
             out.append((r, r["batches_per_s"] / around))
@@ -591,18 +612,26 @@ def _paired_records(by: dict, case: str, name: str, ref: str) -> list[tuple[dict
 
 
 def _below(by: dict, case: str, name: str, ref: str, minimum: float) -> list[dict]:
-    """The repetitions where `name`'s ratio over `ref` fell below `minimum`: ``repeat``
-    (counted from 0), ``value``, and over copy-limit ``copy_limit_range`` (the slowest
-    and fastest copy-limit block beside its blocks, or None) and ``bus_changed``
-    (their ratio is at least :data:`~.transport_blocks.BUS_LEVEL_CHANGE`: the memory
-    bus changed level during the transport's blocks)."""
+    """The repetitions where `name`'s ratio over `ref` fell below `minimum`, or (over
+    copy-limit) had no steady block to take it from: ``repeat`` (counted from 0),
+    ``value`` (None: no steady block), and over copy-limit, for a bracketed record,
+    ``steady_blocks`` and ``blocks`` (how many of its blocks had copy-limit
+    neighbours that agree, of how many) and ``copy_limit_range`` (the slowest and the
+    fastest copy-limit block beside any of its blocks)."""
+    got = {id(r): ratio for r, ratio in _paired_records(by, case, name, ref)}
     out = []
-    for r, ratio in _paired_records(by, case, name, ref):
-        if ratio >= minimum:
+    for r in by.get((case, name), []):
+        ratio = got.get(id(r))
+        held = r.get("steady") if ref == COPY_LIMIT else None
+        if ratio is None and held is None:
+            continue   # (no reference in this repetition at all: not a repetition of the target)
+        if ratio is not None and ratio >= minimum:
             continue
-        span = r.get("copy_limit_range") if ref == COPY_LIMIT else None
-        out.append(dict(repeat=r["repeat"], value=ratio, copy_limit_range=span,
-                        bus_changed=None if not span else span[1] >= BUS_LEVEL_CHANGE * span[0]))
+        entry: dict[str, Any] = dict(repeat=r["repeat"], value=ratio)
+        if held is not None:
+            entry.update(steady_blocks=held["blocks"], blocks=len(r.get("blocks") or ()),
+                         copy_limit_range=r.get("copy_limit_range"))
+        out.append(entry)
     return out
 
 
@@ -673,7 +702,8 @@ def _summarise(report: dict) -> None:
             got = report["medians"].get(size, {}).get(name, {}).get(key)
             report["every_run_targets"].append(dict(
                 size=size, transport=name, what=what, minimum=minimum, value=got,
-                met=None if got is None else got["min"] >= minimum,
+                met=None if got is None else got["min"] >= minimum and not any(
+                    b["value"] is None for b in _below(by, size, name, COPY_LIMIT, minimum)),
                 below=_below(by, size, name, COPY_LIMIT if what == COPY_LIMIT else "torch", minimum)))
 
 

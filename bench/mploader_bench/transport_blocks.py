@@ -18,13 +18,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["plan", "bracket_values", "bracket_rate", "merge", "BUS_LEVEL_CHANGE"]
+__all__ = ["plan", "bracket_values", "bracket_rate", "steady", "merge", "BUS_LEVEL_CHANGE"]
 
-#: A transport's copy-limit blocks whose fastest is at least this many times their
-#: slowest: the memory bus changed level while the transport ran (this VM's bus
-#: switches between ~600 and ~800-950 large batches/s; within a level its copy-limit
-#: blocks spread by up to ~1.2x), so its share of copy-limit in that repetition mixes
-#: the levels (docs/bench.md, "The references: copy-limit and collate-limit").
+#: Two copy-limit blocks, the faster at least this many times the slower: the memory
+#: bus changed level between them (this VM's bus switches between ~600 and ~800-950
+#: large batches/s; within a level its copy-limit blocks spread by up to ~1.2x), so a
+#: block between them ran at an unknown level and has no reference to be divided by
+#: (:func:`steady`; docs/bench.md, "The references: copy-limit and collate-limit").
 BUS_LEVEL_CHANGE = 1.25
 
 
@@ -108,6 +108,15 @@ def bracket_rate(steps: Sequence[tuple[str, float | None]], index: int, copy_lim
     return sum(around) / len(around) if around else None
 
 
+def steady(around: Sequence[float] | None) -> bool:
+    """Whether a block's copy-limit neighbours (:func:`bracket_values`) agree: the
+    faster under :data:`BUS_LEVEL_CHANGE` x the slower (one neighbour: nothing says
+    the level changed).  False without any."""
+    if not around:
+        return False
+    return max(around) < BUS_LEVEL_CHANGE * min(around)
+
+
 def merge(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One repetition's record of a transport from the records of its blocks.
 
@@ -116,8 +125,11 @@ def merge(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     copy-limit around it (``copy_limit_batches_per_s``) is the mean of its blocks',
     and ``copy_limit_range`` the slowest and fastest copy-limit block beside any of
     its blocks (``[min, max]`` of the records' ``copy_limit_around``, :func:`bracket_values`;
-    None when unbracketed).  Each block is kept under ``blocks`` (batches, seconds,
-    batches_per_s, copy_limit_batches_per_s, copy_limit_around).
+    None when unbracketed).  ``steady`` (bracketed records only): the same over the
+    blocks whose neighbours agree (:func:`steady`) -- ``blocks`` (how many),
+    ``batches_per_s`` and ``copy_limit_batches_per_s`` (None when there are none) --
+    what the share of copy-limit is taken from.  Each block is kept under ``blocks``
+    (batches, seconds, batches_per_s, copy_limit_batches_per_s, copy_limit_around).
 
     Parameters
     ----------
@@ -145,6 +157,13 @@ def merge(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out["copy_limit_batches_per_s"] = sum(known) / len(known) if known else None
     beside = [v for r in records for v in r.get("copy_limit_around") or ()]
     out["copy_limit_range"] = [min(beside), max(beside)] if beside else None
+    if beside:
+        kept = [r for r in records if steady(r.get("copy_limit_around")) and r.get("copy_limit_batches_per_s")]
+        out["steady"] = dict(blocks=len(kept), batches_per_s=None, copy_limit_batches_per_s=None)
+        if kept:
+            out["steady"].update(
+                batches_per_s=sum(r["batches"] for r in kept) / sum(r["seconds"] for r in kept),
+                copy_limit_batches_per_s=sum(r["copy_limit_batches_per_s"] for r in kept) / len(kept))
     if len(records) > 1 or first.get("copy_limit_batches_per_s") is not None:
         out["blocks"] = [dict(batches=r["batches"], seconds=r["seconds"], batches_per_s=r["batches_per_s"],
                               copy_limit_batches_per_s=r.get("copy_limit_batches_per_s"),

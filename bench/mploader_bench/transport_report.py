@@ -70,18 +70,20 @@ def _fmt_share(x: float) -> str:
 
 
 def _below_text(below: list | None) -> str:
-    """The repetitions an every-repetition target missed, and for a share of copy-limit
-    whether the memory bus changed level meanwhile: ``" (repetition 3: 0.81; copy-limit
-    beside its blocks 544-947 batches/s, the bus changed level)"``."""
+    """The repetitions an every-repetition target missed (:func:`.transport._below`):
+    ``" (repetition 3: 0.81, 2 of 4 blocks steady, copy-limit beside them 544-947
+    batches/s)"``; a repetition with no steady block says so."""
     if not below:
         return ""
     parts = []
     for b in below:
-        text = f"repetition {b['repeat'] + 1}: {b['value']:.2f}"
-        span = b.get("copy_limit_range")
-        if span:
-            text += (f"; copy-limit beside its blocks {_fmt_rate(span[0])}-{_fmt_rate(span[1])} batches/s, "
-                     + ("the bus changed level" if b.get("bus_changed") else "one level"))
+        text = f"repetition {b['repeat'] + 1}: " + ("no steady block" if b["value"] is None else f"{b['value']:.2f}")
+        if b.get("steady_blocks") is not None:
+            if b["value"] is not None:
+                text += f", {b['steady_blocks']} of {b['blocks']} blocks steady"
+            span = b.get("copy_limit_range")
+            if span:
+                text += f", copy-limit beside them {_fmt_rate(span[0])}-{_fmt_rate(span[1])} batches/s"
         parts.append(text)
     return " (" + "; ".join(parts) + ")"
 

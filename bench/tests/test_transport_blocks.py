@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mploader_bench import transport, transport_report
-from mploader_bench.transport_blocks import BUS_LEVEL_CHANGE, bracket_rate, bracket_values, merge, plan
+from mploader_bench.transport_blocks import BUS_LEVEL_CHANGE, bracket_rate, bracket_values, merge, plan, steady
 
 CL = "copy-limit"
 
@@ -71,10 +71,37 @@ def test_merge_adds_the_blocks_up_and_keeps_each():
     assert [b["batches_per_s"] for b in got["blocks"]] == pytest.approx([20.0, 40.0])
     assert [b["copy_limit_batches_per_s"] for b in got["blocks"]] == [40.0, 60.0]
     assert got["copy_limit_range"] is None  # (no copy_limit_around given)
+    assert "steady" not in got
     got = merge([_rec(10, 0.5, 40.0, copy_limit_around=[30.0, 50.0]),
                  _rec(10, 0.5, 55.0, copy_limit_around=[50.0, 60.0])])
     assert got["copy_limit_range"] == [30.0, 60.0]
     assert [b["copy_limit_around"] for b in got["blocks"]] == [[30.0, 50.0], [50.0, 60.0]]
+
+
+def test_steady_blocks_are_those_whose_copy_limit_neighbours_agree():
+    assert steady([600.0, 610.0]) and steady([600.0]) and steady([600.0, BUS_LEVEL_CHANGE * 600.0 - 1])
+    assert not steady([600.0, BUS_LEVEL_CHANGE * 600.0]) and not steady([947.0, 544.0])
+    assert not steady([]) and not steady(None)
+
+
+def test_merge_takes_the_share_of_copy_limit_from_the_steady_blocks():
+    """(issue 24) The 11:37 run of 2026-11-27: a torch-face block ran while copy-limit
+    went from 544 to 879 large batches/s beside it; its share of their mean (0.68)
+    measured the change, not the loader."""
+    blocks = [_rec(100, 100 / 482, 711.5, copy_limit_around=[544.0, 879.0]),
+              _rec(100, 100 / 726, 901.0, copy_limit_around=[879.0, 923.0]),
+              _rec(100, 100 / 762, 829.0, copy_limit_around=[923.0, 735.0]),   # 1.256x: changed
+              _rec(100, 100 / 679, 736.5, copy_limit_around=[735.0, 738.0])]
+    got = merge(blocks)
+    assert got["copy_limit_range"] == [544.0, 923.0]
+    held = got["steady"]
+    assert held["blocks"] == 2
+    assert held["batches_per_s"] == pytest.approx(200 / (100 / 726 + 100 / 679))
+    assert held["copy_limit_batches_per_s"] == pytest.approx((901.0 + 736.5) / 2)
+    assert got["batches_per_s"] / got["copy_limit_batches_per_s"] < 0.82   # every block: the former share
+    assert held["batches_per_s"] / held["copy_limit_batches_per_s"] == pytest.approx(0.858, abs=1e-3)
+    none = merge([_rec(100, 0.2, 700.0, copy_limit_around=[544.0, 879.0])])
+    assert none["steady"] == dict(blocks=0, batches_per_s=None, copy_limit_batches_per_s=None)
 
 
 def test_merge_of_copy_limit_blocks_gives_each_methods_rate_over_the_repetition():
@@ -94,48 +121,54 @@ def test_merge_of_one_unbracketed_run_is_that_run():
     assert {k: got[k] for k in one} == pytest.approx(one)
 
 
-def test_a_missed_share_names_its_repetitions_and_whether_the_bus_changed_level():
-    """(issue 24) Repetitions under the target are listed with the copy-limit blocks
-    beside theirs: the 11:37 run of 2026-11-27 had one at 0.81 while copy-limit went
-    from 544 to 947 large batches/s, and one at 0.83 on one level."""
-    def rec(repeat, bps, around, span):
-        return dict(repeat=repeat, batches_per_s=bps, copy_limit_batches_per_s=around, copy_limit_range=span)
+def _summary_rec(name, repeat, bps, blocks=None):
+    """A record as ``transport._repetition`` merges it: ``blocks`` = [(rate, [before, after])]."""
+    if blocks is None:
+        return dict(size="large", transport=name, repeat=repeat, batches=100, seconds=100 / bps,
+                    parent_cpu_s=0.1, workers_cpu_s=1.0, batches_per_s=bps, gb_per_s=bps * 0.0385,
+                    verdict=None, others_cpu_s=0.0, span_s=100 / bps)
+    return merge([dict(_summary_rec(name, repeat, rate), copy_limit_around=around,
+                       copy_limit_batches_per_s=sum(around) / len(around)) for rate, around in blocks])
 
-    by = {("large", "a"): [rec(0, 600.0, 640.0, [615.0, 672.0]),          # 0.94
-                           rec(1, 500.0, 600.0, [590.0, 610.0]),          # 0.83, one level
-                           rec(2, 641.0, 791.0, [544.0, 947.0])],         # 0.81, the bus changed level
-          ("large", "torch"): [rec(k, 50.0, None, None) for k in range(3)]}
+
+def test_a_missed_share_names_its_repetitions_and_their_steady_blocks():
+    """(issue 24) The share of copy-limit and its every-repetition target are taken over
+    steady blocks; a miss names the repetition, how many of its blocks were steady and
+    the copy-limit beside them; a repetition without a steady block is a miss too."""
+    by = {("large", "a"): [_summary_rec("a", 0, 0, [(600.0, [640.0, 650.0])] * 2),               # 0.93
+                           _summary_rec("a", 1, 0, [(500.0, [600.0, 610.0]), (482.0, [544.0, 879.0])]),  # 0.83
+                           _summary_rec("a", 2, 0, [(482.0, [544.0, 879.0]), (700.0, [900.0, 560.0])])],  # none
+          ("large", "torch"): [_summary_rec("torch", k, 50.0) for k in range(3)]}
     got = transport._below(by, "large", "a", CL, 0.85)
-    assert [(b["repeat"], round(b["value"], 3), b["bus_changed"]) for b in got] == [(1, 0.833, False),
-                                                                                 (2, 0.81, True)]
-    assert got[1]["copy_limit_range"] == [544.0, 947.0]
-    assert 947.0 >= BUS_LEVEL_CHANGE * 544.0 and 610.0 < BUS_LEVEL_CHANGE * 590.0
-    assert transport._below(by, "large", "a", "torch", 4.0) == []   # 12x torch and more
-    x_torch = transport._below(by, "large", "a", "torch", 12.5)
-    assert [(b["repeat"], b["value"], b["copy_limit_range"], b["bus_changed"]) for b in x_torch] == [
-        (0, 12.0, None, None), (1, 10.0, None, None)]
-    text = transport_report._below_text(got)
-    assert text == (" (repetition 2: 0.83; copy-limit beside its blocks 590-610 batches/s, one level; "
-                    "repetition 3: 0.81; copy-limit beside its blocks 544-947 batches/s, the bus changed level)")
+    assert [(b["repeat"], None if b["value"] is None else round(b["value"], 3), b["steady_blocks"], b["blocks"],
+             b["copy_limit_range"]) for b in got] == [(1, 0.826, 1, 2, [544.0, 879.0]),
+                                                      (2, None, 0, 2, [544.0, 900.0])]
+    assert transport._paired(by, "large", "a", CL) == pytest.approx([600 / 645, 500 / 605])
+    assert transport._below(by, "large", "a", "torch", 4.0) == []   # 9.6x torch and more
+    assert [(b["repeat"], b["value"]) for b in transport._below(by, "large", "a", "torch", 12.5)] == [
+        (0, 12.0), (1, pytest.approx(200 / (100 / 500 + 100 / 482) / 50)),
+        (2, pytest.approx(200 / (100 / 482 + 100 / 700) / 50))]
+    assert transport_report._below_text(got) == (
+        " (repetition 2: 0.83, 1 of 2 blocks steady, copy-limit beside them 544-879 batches/s; "
+        "repetition 3: no steady block, copy-limit beside them 544-900 batches/s)")
     assert transport_report._below_text([]) == "" and transport_report._below_text(None) == ""
+    assert transport._share_note(by[("large", "a")][1]) == " (0.83 of copy-limit, 1 of 2 blocks steady)"
+    assert transport._share_note(by[("large", "a")][0]) == " (0.93 of copy-limit)"
+    assert transport._share_note(by[("large", "a")][2]) == " (no steady block of 2: the bus changed level beside each)"
 
 
 def test_the_summary_lists_the_repetitions_each_every_repetition_target_missed():
     """(issue 24) ``_summarise`` puts :func:`transport._below` under each of the
     large-batch targets that must hold in every repetition, and the printed report
     names them after the verdict."""
-    def rec(name, repeat, bps, around=None, span=None):
-        return dict(size="large", transport=name, repeat=repeat, batches=100, seconds=100 / bps,
-                    parent_cpu_s=0.1, workers_cpu_s=1.0, batches_per_s=bps, gb_per_s=bps * 0.0385,
-                    verdict=None, others_cpu_s=0.0, span_s=100 / bps, copy_limit_batches_per_s=around,
-                    copy_limit_range=span)
-
     runs = []
     for k, (cl, fast) in enumerate([(600.0, False), (800.0, True)]):
-        span = [590.0, 610.0] if not fast else [560.0, 900.0]
+        around = [cl - 10, cl + 10]
         torch_face = (0.86 if not fast else 0.8) * cl
-        runs += [rec("mploader", k, 0.9 * cl, cl, span), rec("mploader.torch", k, torch_face, cl, span),
-                 rec("torch", k, 45.0), rec("copy-limit", k, cl), rec("collate-limit", k, 300.0)]
+        runs += [_summary_rec("mploader", k, 0, [(0.9 * cl, around)] * 2),
+                 _summary_rec("mploader.torch", k, 0, [(torch_face, around), (500.0, [560.0, 900.0])]),
+                 _summary_rec("torch", k, 45.0), _summary_rec("copy-limit", k, cl),
+                 _summary_rec("collate-limit", k, 300.0)]
     names = ["mploader", "mploader.torch", "torch", "copy-limit", "collate-limit"]
     large = dict(size="large", cache="resident", distinct_samples=4, pool_bytes=600e3)
     report = dict(runs=runs, errors={}, mismatches=[], config=dict(workers=2, repeats=2, transports=names),
@@ -147,8 +180,8 @@ def test_the_summary_lists_the_repetitions_each_every_repetition_target_missed()
     assert got[("mploader", CL)]["met"] and got[("mploader", CL)]["below"] == []
     miss = got[("mploader.torch", CL)]
     assert miss["met"] is False
-    assert [(b["repeat"], round(b["value"], 2), b["copy_limit_range"], b["bus_changed"]) for b in miss["below"]] == [
-        (1, 0.8, [560.0, 900.0], True)]
+    assert miss["value"] == pytest.approx(dict(median=0.83, min=0.8, max=0.86))
+    assert [(b["repeat"], round(b["value"], 2), b["steady_blocks"]) for b in miss["below"]] == [(1, 0.8, 1)]
     assert got[("mploader.torch", "torch")]["met"] and got[("mploader.torch", "torch")]["below"] == []
     lines: list[str] = []
 
@@ -159,4 +192,4 @@ def test_the_summary_lists_the_repetitions_each_every_repetition_target_missed()
     transport_report._print_report(report, transport_report._Out(PlainConsole()))
     missed = [x for x in lines if "mploader.torch share of copy-limit" in x]
     assert len(missed) == 1 and missed[0].endswith(
-        "MISSED (repetition 2: 0.80; copy-limit beside its blocks 560-900 batches/s, the bus changed level)")
+        "MISSED (repetition 2: 0.80, 1 of 2 blocks steady, copy-limit beside them 560-900 batches/s)")
