@@ -574,20 +574,26 @@ def _share_note(rec: dict) -> str:
     held = rec.get("steady")
     n = len(rec.get("blocks") or ())
     if held is not None:
-        if not held["copy_limit_batches_per_s"]:
+        share = _steady_share(held)
+        if share is None:
             return f" (no steady block of {n}: the bus changed level beside each)"
-        share = held["batches_per_s"] / held["copy_limit_batches_per_s"]
         return f" ({share:.2f} of copy-limit" + (f", {held['blocks']} of {n} blocks steady)" if held["blocks"] < n
                                                   else ")")
     around = rec.get("copy_limit_batches_per_s")
     return f" ({rec['batches_per_s'] / around:.2f} of copy-limit)" if around else ""
 
 
+def _steady_share(held: dict) -> float | None:
+    """A record's share of copy-limit over its steady blocks (its ``steady``:
+    :func:`.transport_blocks.merge`); None when it had none."""
+    return held["batches_per_s"] / held["copy_limit_batches_per_s"] if held["copy_limit_batches_per_s"] else None
+
+
 def _paired(by: dict, case: str, name: str, ref: str) -> list[float]:
     """Per-repetition ratios of `name`'s rate over `ref`'s (repetitions where both ran).
 
     Over copy-limit, a record that ran bracketed is divided by the copy-limit measured
-    around its own blocks (``copy_limit_batches_per_s``), not by the repetition's."""
+    around its own steady blocks (:func:`_paired_records`), not by the repetition's."""
     return [ratio for _, ratio in _paired_records(by, case, name, ref)]
 
 
@@ -600,8 +606,9 @@ def _paired_records(by: dict, case: str, name: str, ref: str) -> list[tuple[dict
     for r in by.get((case, name), []):
         held = r.get("steady") if ref == COPY_LIMIT else None
         if held is not None:
-            if held["copy_limit_batches_per_s"]:
-                out.append((r, held["batches_per_s"] / held["copy_limit_batches_per_s"]))
+            share = _steady_share(held)
+            if share is not None:
+                out.append((r, share))
             continue
         around = r.get("copy_limit_batches_per_s") if ref == COPY_LIMIT else None
         if around:
@@ -700,11 +707,11 @@ def _summarise(report: dict) -> None:
             if size not in report["sizes"] or name not in report["config"]["transports"]:
                 continue
             got = report["medians"].get(size, {}).get(name, {}).get(key)
+            below = _below(by, size, name, what, minimum)   # (what: copy-limit or torch)
             report["every_run_targets"].append(dict(
                 size=size, transport=name, what=what, minimum=minimum, value=got,
-                met=None if got is None else got["min"] >= minimum and not any(
-                    b["value"] is None for b in _below(by, size, name, COPY_LIMIT, minimum)),
-                below=_below(by, size, name, COPY_LIMIT if what == COPY_LIMIT else "torch", minimum)))
+                met=None if got is None else got["min"] >= minimum and all(b["value"] is not None for b in below),
+                below=below))
 
 
 def main(argv: Sequence[str] | None = None, *, default_out: str | None = "bench/results") -> int:
