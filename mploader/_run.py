@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import collections
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ._channel import Task
 
-__all__ = ["Run", "EMPTY", "cancel_dropped"]
+__all__ = ["Run", "EMPTY", "Body", "cancel_dropped"]
 
 #: ``Run.handoff`` when no batch waits in it.
 EMPTY = object()
@@ -33,6 +34,28 @@ def cancel_dropped(res: Any, inflight: collections.deque, ref: Any = None) -> No
     busy = res.busy
     if inflight and busy is not None:
         busy.cancel_below(inflight[-1].seq + 1)   # (appended in seq order)
+
+
+class Body:
+    """A face iterator's ``_gen`` where its body is Python code (the torch and Chainer
+    faces): an iterator whose ``__next__`` is the face iterator's ``_mpl_next``, which
+    :func:`mploader._steps.serial_next` calls with the face iterator's lock held.
+    Holds the face iterator weakly (no iterator <-> body cycle); once it is gone,
+    ``next()`` raises StopIteration."""
+
+    __slots__ = ("it",)
+
+    def __init__(self, it: Any) -> None:
+        self.it = weakref.ref(it)
+
+    def __iter__(self) -> Body:
+        return self
+
+    def __next__(self) -> Any:
+        it = self.it()
+        if it is None:
+            raise StopIteration
+        return it._mpl_next()
 
 
 class Run:

@@ -29,6 +29,7 @@ from ._chainer_inline import InlineLoader, InlineRun, fetch_examples
 from ._chainer_state import OrderSampler, ShuffleOrderSampler, State, plan
 from ._errors import is_batch_error, warn_at_caller
 from ._options import MAX_SLOT_BYTES, LoaderOptions, check_callable, check_dataset, check_int
+from ._run import Body
 
 __all__ = ["MultiprocessIterator", "OrderSampler", "ShuffleOrderSampler"]
 
@@ -53,25 +54,6 @@ def _warn_stalled(waited_s: float) -> None:
 
 def _on_slow(seq: int, waited_s: float) -> None:
     _warn_stalled(waited_s)
-
-
-class _Unlocked:
-    """``MultiprocessIterator._gen``: an iterator whose ``__next__`` is the iterator's
-    body (``_steps.serial_next`` calls it with the iterator's lock held)."""
-
-    __slots__ = ("it",)
-
-    def __init__(self, it: weakref.ref) -> None:
-        self.it = it
-
-    def __iter__(self) -> _Unlocked:
-        return self
-
-    def __next__(self) -> list:
-        it = self.it()
-        if it is None:
-            raise StopIteration
-        return it._mpl_next()
 
 
 class _Run:
@@ -251,7 +233,7 @@ class MultiprocessIterator:
         # One next() at a time (threads sharing the iterator: each batch once, in
         # order), by _steps.serial_next: _mpl_next with _lock held, released in C.
         self._lock = threading.Lock()
-        self._gen = _Unlocked(weakref.ref(self))   # (weak: no iterator <-> body cycle)
+        self._gen = Body(self)
         self._progress = None
         # [record, its planned state] taken from the run (_steps.take) until the batch
         # is the caller's (serial_next empties it): an interrupt in between leaves it here.

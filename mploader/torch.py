@@ -42,6 +42,7 @@ from torch.utils.data.dataloader import _BaseDataLoaderIter
 
 from . import _bad_samples, _diagnose, _engine, _metrics, _options, _pinning, _steps, _torch_state, _zygote
 from ._errors import WorkerTraceback, add_note
+from ._run import Body
 from ._torch_collate import to_tensors, unpack
 from ._torch_worker import CONVERT, CUSTOM, DEFAULT, EXHAUSTED, PACKED, CapturingFetch, Fetch, WorkerInit
 from .sampler import next_pass
@@ -470,7 +471,7 @@ class _RingIter(_BaseDataLoaderIter):
         # The record taken from the run (_steps.take) until the batch made from it is
         # the caller's (serial_next empties it): an interrupt in between leaves it here.
         self._held: list = []
-        self._gen = _Unlocked(weakref.ref(self))   # (weak: no iterator <-> body cycle)
+        self._gen = Body(self)
         self._progress = None
         self._reset(loader, first_iter=True)
 
@@ -677,25 +678,6 @@ def _next_batches(index_sampler: Any) -> Iterator[Any] | None:
     elif type(sampler) is not SequentialSampler:
         return None
     return iter(BatchSampler(sampler, index_sampler.batch_size, index_sampler.drop_last))
-
-
-class _Unlocked:
-    """``_RingIter._gen``: an iterator whose ``__next__`` is the ring iterator's body
-    (``_steps.serial_next`` calls it with the iterator's lock held)."""
-
-    __slots__ = ("it",)
-
-    def __init__(self, it: weakref.ref) -> None:
-        self.it = it
-
-    def __iter__(self) -> _Unlocked:
-        return self
-
-    def __next__(self) -> Any:
-        it = self.it()
-        if it is None:
-            raise StopIteration
-        return it._mpl_next()
 
 
 def _auto_depth(loader: DataLoader) -> int | None:
