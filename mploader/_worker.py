@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _bad_samples, _ring, _rng_state, _spec, _stacks
+from . import _bad_samples, _ring, _rng_state, _spec, _stacks, _zygote
 from ._descriptor import SlotWriter, Structures, pipe_message
 from ._errors import BatchFailure
 from ._face import Face
@@ -164,6 +164,7 @@ def _run(spec: WorkerSpec | None, boot: WorkerBoot) -> None:
         if spec is None:  # its arrays: views of a copy-on-write mapping shared by every worker
             spec = _spec.unpack(boot.spec_fd)
             os.close(boot.spec_fd)
+        _zygote.end_boot()
         init_failure = _init(spec, boot.worker_id)
         _loop(spec, boot, region, init_failure)
     except SystemExit as exc:  # sys.exit() in user code: exit with the status it asked for

@@ -121,7 +121,9 @@ class ZygoteChild:
 
 class _Zygote:
     """This process's zygote (None until started; a forked child starts its own).
-    ``inside``: this process is a zygote, or a worker it forked."""
+    ``inside``: this process is a zygote, or a worker it forked.  ``booting``: this
+    process is a zygote, or a worker it forked that has not unpacked its spec yet:
+    its imports run user modules, and it starts no zygote (:func:`_start`)."""
 
     pid = -1
     proc: subprocess.Popen | None = None
@@ -129,6 +131,7 @@ class _Zygote:
     lock = threading.Lock()
     seq = 0                     # the number of the last request
     inside = False
+    booting = False
     rng_switch: str | None = None   # MPLOADER_RNG_FALLBACK when the zygote checked the RNG layout
 
 
@@ -164,7 +167,24 @@ def _preload(extra: Iterable[str] = ()) -> list[str]:
 
 def _start(extra: Iterable[str] = ()) -> None:
     """Start this process's zygote (the caller holds the lock), preloading ``extra``
-    modules besides NumPy and mploader's (:func:`_preload`)."""
+    modules besides NumPy and mploader's (:func:`_preload`).
+
+    Raises
+    ------
+    RuntimeError
+        This process is a zygote, or one of its workers still unpacking its spec
+        (``_Zygote.booting``), as ``multiprocessing``'s spawn refuses a start in a
+        child that has not finished its bootstrapping phase: a module that iterates
+        a spawn or forkserver loader when it is imported, imported there to find
+        the dataset's class, would otherwise start a zygote that imports it again,
+        without end (tests/test_zygote.py::test_a_module_iterating_a_loader_at_import_fails_once).
+    """
+    if _Zygote.booting:
+        raise RuntimeError(
+            "a spawn or forkserver loader was iterated while mploader's zygote or a new worker "
+            "imported the module that defines it (as multiprocessing's spawn refuses a start before "
+            "the process has finished its bootstrapping phase): iterate loaders in a function or "
+            "under `if __name__ == '__main__':`, not when a module is imported")
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         ours_fd = _fds.off_stdio(ours.detach())
@@ -270,6 +290,13 @@ def warm_for_loader(context: Any, num_workers: int, objects: Iterable[Any] = ())
     except OSError:
         return False
     return zygote_pid() is not None
+
+
+def end_boot() -> None:
+    """A worker forked from the zygote has unpacked its spec: from now on its user code
+    (``worker_init_fn``, the dataset) may start loaders of its own, whose spawn and
+    forkserver workers come from a zygote of this worker's."""
+    _Zygote.booting = False
 
 
 def zygote_pid() -> int | None:
@@ -394,6 +421,7 @@ def main(args: dict) -> None:
     """The zygote's main loop (runs in the process :func:`_start` made)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _Zygote.inside = True   # before the preloads (warm_for_loader); its workers inherit it
+    _Zygote.booting = True  # for good here; a worker clears it once it has its spec (end_boot)
     parent = int(args["parent"])
     sock = socket.socket(fileno=int(args["fd"]))
     for mod in ["numpy", "mploader._worker", "mploader._spec", "cloudpickle", *args["preload"]]:

@@ -425,3 +425,76 @@ def test_a_parent_that_blocked_sigchld_still_learns_its_workers_exit_status(tmp_
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == "WorkerError 7"
+
+
+AT_IMPORT = """
+import os
+
+import numpy as np
+
+import mploader
+
+# The generation of this process: 0 in the script, one more in each process started
+# from a process that imported this module (a worker gets the script's environment).
+if os.environ.get("AT_IMPORT_PID") == str(os.getpid()):
+    GENERATION = int(os.environ["AT_IMPORT_GENERATION"])   # imported again in this process
+else:
+    GENERATION = int(os.environ.get("AT_IMPORT_GENERATION", "-1")) + 1
+    os.environ.update(AT_IMPORT_GENERATION=str(GENERATION), AT_IMPORT_PID=str(os.getpid()))
+with open(os.environ["AT_IMPORT_LOG"], "a") as log:
+    log.write(f"{GENERATION} {os.getpid()}\\n")
+if GENERATION >= 3:   # the test's own cap: without the guard each new zygote imports this module again
+    raise ImportError("at_import: too deep")
+
+
+class DS:
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return np.array([i])
+
+
+with mploader.DataLoader(DS(), batch_size=2, num_workers=2, start_method=os.environ["AT_IMPORT_METHOD"]) as loader:
+    BATCHES = [np.asarray(b).tolist() for b in loader]
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_module_iterating_a_loader_at_import_fails_once(tmp_path, method):
+    """A module that iterates a spawn/forkserver loader when imported, and defines its
+    dataset's class: the zygote imports it to find the class, and its loader used to
+    start a zygote of the zygote, which imported it again, without end (a chain of
+    interpreters, each holding torch where the module imports it, outliving the
+    parent).  Now a start in a zygote, or in a worker still unpacking its spec, raises
+    RuntimeError, as multiprocessing's spawn refuses a start during a child's
+    bootstrapping phase: the workers exit with it and the parent gets a WorkerError."""
+    (tmp_path / "at_import.py").write_text(AT_IMPORT)
+    log = tmp_path / "imports.log"
+    env = dict(os.environ, AT_IMPORT_LOG=str(log), AT_IMPORT_METHOD=method,
+               PYTHONPATH=os.pathsep.join([str(tmp_path), ROOT]))
+    for key in ("AT_IMPORT_GENERATION", "AT_IMPORT_PID"):
+        env.pop(key, None)
+    script = textwrap.dedent("""
+        import mploader
+        try:
+            import at_import
+        except mploader.WorkerError as exc:
+            print("WorkerError", exc.exitcode)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=env)
+    imports = [tuple(int(x) for x in line.split()) for line in log.read_text().splitlines()]
+    generations = sorted({g for g, _ in imports})
+    assert generations == [0, 1], (imports, proc.stderr[-3000:])   # the script, then its zygote and workers
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "WorkerError 1"
+    assert "finished its bootstrapping phase" in proc.stderr
+    # Nothing of the script's tree outlives it (the zygote goes with its parent).
+    left = [psutil.Process(pid) for _, pid in imports if psutil.pid_exists(pid)]
+    deadline = time.monotonic() + 5.0
+    while left and time.monotonic() < deadline:
+        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if left:
+            psutil.wait_procs(left, timeout=0.05)
+    assert not left, left
