@@ -132,6 +132,7 @@ class _Zygote:
     seq = 0                     # the number of the last request
     inside = False
     booting = False
+    inherited: list[subprocess.Popen] = []   # the zygotes of the processes this one was forked from
     rng_switch: str | None = None   # MPLOADER_RNG_FALLBACK when the zygote checked the RNG layout
 
 
@@ -140,6 +141,11 @@ def _after_fork_in_child() -> None:
     # zygote would not see EOF when the parent dies.  (Not closed through the socket
     # object: another thread of the parent may have been using it.)
     sock = _Zygote.sock
+    # The parent's Popen of its zygote is kept, unused: dropped, its __del__ would warn
+    # that the zygote "is still running" (a ResourceWarning in every forked worker
+    # under -X dev) and queue it for a waitpid that is not this child's to make.
+    if _Zygote.proc is not None:
+        _Zygote.inherited.append(_Zygote.proc)
     _Zygote.sock, _Zygote.proc, _Zygote.pid = None, None, -1
     _Zygote.lock = threading.Lock()
     if sock is not None:

@@ -498,3 +498,34 @@ def test_a_module_iterating_a_loader_at_import_fails_once(tmp_path, method):
         if left:
             psutil.wait_procs(left, timeout=0.05)
     assert not left, left
+
+
+def test_a_forked_child_of_a_process_with_a_zygote_warns_nothing(tmp_path):
+    """A fork worker started after the zygote dropped the parent's ``Popen`` of it:
+    ``Popen.__del__`` then warned, in each worker, that the zygote "is still running"
+    (a ResourceWarning printed under ``-X dev``, an exception ignored under ``-W
+    error``).  The child now keeps the object unused."""
+    script = tmp_path / "fork_after_zygote.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np
+        import mploader
+        from mploader import _zygote
+
+        class DS:
+            def __len__(self):
+                return 8
+            def __getitem__(self, i):
+                return np.array([i])
+
+        if __name__ == "__main__":
+            with mploader.DataLoader(DS(), batch_size=2, num_workers=1, start_method="spawn") as loader:
+                list(loader)
+            assert _zygote.zygote_pid() is not None
+            with mploader.DataLoader(DS(), batch_size=2, num_workers=2, start_method="fork") as loader:
+                print(len(list(loader)))
+    """))
+    proc = subprocess.run([sys.executable, "-X", "dev", "-W", "error::ResourceWarning", str(script)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "4"
+    assert "ResourceWarning" not in proc.stderr, proc.stderr[-3000:]
