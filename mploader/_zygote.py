@@ -202,7 +202,8 @@ def _start(extra: Iterable[str] = ()) -> None:
     sock = socket.socket(fileno=ours_fd)
     try:
         path = [p for p in sys.path if isinstance(p, str)]  # (each request brings the whole of it)
-        boot = json.dumps({"path": path, "parent": os.getpid(), "fd": theirs_fd, "preload": _preload(extra)})
+        boot = json.dumps({"path": path, "argv": [a for a in sys.argv if isinstance(a, str)], "parent": os.getpid(),
+                           "fd": theirs_fd, "preload": _preload(extra)})
         code = ("import sys, json; a = json.loads(sys.argv[1]); sys.path[:] = a['path']; "
                 "from mploader._zygote import main; main(a)")
         args = [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", code, boot]  # type: ignore[attr-defined]
@@ -364,7 +365,8 @@ def start_worker(boot: Any, modules: frozenset[str], name: str) -> ZygoteChild:
         fds.append(status_w)
         # The zygote reads the outer record; only the worker unpickles the boot (the
         # zygote never holds objects that own the passed descriptors).
-        message = pickle.dumps((sorted(modules), sys.path, os.getcwd(), dict(os.environ), name, f.getvalue()),
+        message = pickle.dumps((sorted(modules), sys.path, list(sys.argv), os.getcwd(), dict(os.environ), name,
+                                f.getvalue()),
                                protocol=5)
         with _Zygote.lock:
             reply = _ask(message, fds)
@@ -429,6 +431,7 @@ def main(args: dict) -> None:
     _Zygote.inside = True   # before the preloads (warm_for_loader); its workers inherit it
     _Zygote.booting = True  # for good here; a worker clears it once it has its spec (end_boot)
     parent = int(args["parent"])
+    sys.argv = list(args["argv"])   # the parent's, for the preloads (see _fork_worker)
     sock = socket.socket(fileno=int(args["fd"]))
     for mod in ["numpy", "mploader._worker", "mploader._spec", "cloudpickle", *args["preload"]]:
         _try_import(mod)
@@ -544,9 +547,15 @@ def _set_environ(env: dict[str, str]) -> None:
 def _fork_worker(msg: bytes, fds: list[int], sock: socket.socket, wake_r: int, wake_w: int, parent_fd: int,
                  children: dict[int, int], worker: Any, mask: Any) -> tuple[str, Any]:
     try:
-        modules, path, cwd, env, name, boot_bytes = pickle.loads(msg)
+        modules, path, argv, cwd, env, name, boot_bytes = pickle.loads(msg)
+        # The imports below run user modules: they see the parent's sys.path, sys.argv
+        # and working directory, as a spawned child's do (multiprocessing.spawn.prepare):
+        # a module that parses sys.argv or opens a relative path at import works.
         if path != sys.path:
             sys.path[:] = path
+        sys.argv = argv
+        if cwd != os.getcwd():
+            os.chdir(cwd)
         for mod in modules:
             _try_import(mod)
     except BaseException as exc:  # noqa: BLE001 - told to the parent

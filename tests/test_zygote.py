@@ -529,3 +529,60 @@ def test_a_forked_child_of_a_process_with_a_zygote_warns_nothing(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "4"
     assert "ResourceWarning" not in proc.stderr, proc.stderr[-3000:]
+
+
+ARGV_MODULE = """
+import argparse
+
+import numpy as np
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--scale", type=int, default=1)
+ARGS = parser.parse_args()
+with open("offset.txt") as f:   # relative to the working directory
+    OFFSET = int(f.read())
+
+
+class DS:
+    def __len__(self):
+        return 6
+
+    def __getitem__(self, i):
+        return np.array([i * ARGS.scale + OFFSET])
+"""
+
+
+def test_modules_imported_for_workers_see_the_parents_argv_and_working_directory(tmp_path):
+    """A module that parses ``sys.argv`` (argparse at module level) or opens a relative
+    path when imported, imported by the zygote to find the dataset's class: it saw the
+    zygote's own command line (argparse: "unrecognized arguments", the workers exited
+    with code 2) and the working directory the zygote started in.  Now it sees the
+    parent's, at each worker start, as a child of multiprocessing's spawn does."""
+    (tmp_path / "argv_module.py").write_text(ARGV_MODULE)
+    (tmp_path / "offset.txt").write_text("100")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "offset.txt").write_text("7")
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import json, os, sys
+        import numpy as np
+        import mploader
+        from mploader import _zygote
+
+        if __name__ == "__main__":
+            _zygote.warm()          # started here, in the script's directory
+            os.chdir("run")         # the run's directory, where its offset.txt is
+            import argv_module
+            out = {}
+            for method in ["fork", "spawn", "forkserver"]:
+                with mploader.DataLoader(argv_module.DS(), batch_size=3, num_workers=2, start_method=method) as loader:
+                    out[method] = [np.asarray(b).ravel().tolist() for b in loader]
+            print(json.dumps(out))
+    """))
+    proc = subprocess.run([sys.executable, str(script), "--scale", "3"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["fork"] == [[7, 10, 13], [16, 19, 22]]
+    assert out["spawn"] == out["fork"] and out["forkserver"] == out["fork"], (out, proc.stderr[-2000:])
