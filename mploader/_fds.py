@@ -56,6 +56,15 @@ def off_stdio(fd: int) -> int:
     return fd if fd > 2 else _ring.fd_off_stdio(fd)
 
 
+def is_open(fd: int) -> bool:
+    """Whether ``fd`` is an open descriptor of this process."""
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def pipe() -> tuple[int, int]:
     """``os.pipe()``, both ends close-on-exec and >= 3."""
     r, w = os.pipe2(os.O_CLOEXEC)

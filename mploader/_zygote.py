@@ -362,11 +362,19 @@ def start_worker(boot: Any, modules: frozenset[str], name: str) -> ZygoteChild:
         fds: list[int] = []
         f = io.BytesIO()
         _FdPickler(f, fds).dump(boot)
+        # The worker's stdout and stderr are this process's now, as a spawned child's
+        # are (a logger may have redirected fd 1 or 2 since the zygote started).  Only
+        # where this interpreter has that standard stream: in one started without it (a
+        # daemon), a file opened later may sit at fd 1 or 2, and no worker's print may
+        # reach it (the worker keeps the zygote's /dev/null, see _start).
+        stdio = [fd for fd, stream in ((1, sys.__stdout__), (2, sys.__stderr__))
+                 if stream is not None and _fds.is_open(fd)]
+        fds += stdio
         fds.append(status_w)
         # The zygote reads the outer record; only the worker unpickles the boot (the
         # zygote never holds objects that own the passed descriptors).
         message = pickle.dumps((sorted(modules), sys.path, list(sys.argv), os.getcwd(), dict(os.environ), name,
-                                f.getvalue()),
+                                stdio, f.getvalue()),
                                protocol=5)
         with _Zygote.lock:
             reply = _ask(message, fds)
@@ -547,7 +555,7 @@ def _set_environ(env: dict[str, str]) -> None:
 def _fork_worker(msg: bytes, fds: list[int], sock: socket.socket, wake_r: int, wake_w: int, parent_fd: int,
                  children: dict[int, int], worker: Any, mask: Any) -> tuple[str, Any]:
     try:
-        modules, path, argv, cwd, env, name, boot_bytes = pickle.loads(msg)
+        modules, path, argv, cwd, env, name, stdio, boot_bytes = pickle.loads(msg)
         # The imports below run user modules: they see the parent's sys.path, sys.argv
         # and working directory, as a spawned child's do (multiprocessing.spawn.prepare):
         # a module that parses sys.argv or opens a relative path at import works.
@@ -572,6 +580,10 @@ def _fork_worker(msg: bytes, fds: list[int], sock: socket.socket, wake_r: int, w
                 if fd >= 0:
                     os.close(fd)
             children.clear()
+            # the parent's stdout/stderr, passed after the boot's own descriptors
+            for target, fd in zip(stdio, fds[-1 - len(stdio):-1]):
+                os.dup2(fd, target)
+                os.close(fd)
             if cwd != os.getcwd():
                 os.chdir(cwd)
             _set_environ(env)

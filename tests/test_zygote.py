@@ -586,3 +586,44 @@ def test_modules_imported_for_workers_see_the_parents_argv_and_working_directory
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["fork"] == [[7, 10, 13], [16, 19, 22]]
     assert out["spawn"] == out["fork"] and out["forkserver"] == out["fork"], (out, proc.stderr[-2000:])
+
+
+def test_workers_write_to_the_parents_stdout_and_stderr_as_they_are_at_the_start(tmp_path):
+    """The parent's fds 1 and 2 redirected after its zygote started (a logger that
+    captures the console at the descriptor level, as ``wandb`` or pytest's ``capfd``
+    do): spawn/forkserver workers printed to the streams the zygote was started with,
+    where a spawned child's go to the parent's current ones."""
+    script = tmp_path / "redirected.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        import numpy as np
+        import mploader
+        from mploader import _zygote
+
+        class DS:
+            def __len__(self):
+                return 2
+            def __getitem__(self, i):
+                print(f"out {i}", flush=True)
+                print(f"err {i}", file=sys.stderr, flush=True)
+                return np.array([i])
+
+        if __name__ == "__main__":
+            method, out_path, err_path = sys.argv[1:]
+            with mploader.DataLoader(DS(), batch_size=1, num_workers=1, start_method=method) as loader:
+                list(loader)   # the zygote runs from here on, its fds 1 and 2 the terminal's
+            assert _zygote.zygote_pid() is not None
+            os.dup2(os.open(out_path, os.O_WRONLY | os.O_CREAT), 1)
+            os.dup2(os.open(err_path, os.O_WRONLY | os.O_CREAT), 2)
+            with mploader.DataLoader(DS(), batch_size=1, num_workers=1, start_method=method) as loader:
+                assert [np.asarray(b).tolist() for b in loader] == [[[0]], [[1]]]
+    """))
+    for method in ["spawn", "forkserver"]:
+        out, err = tmp_path / f"{method}.out", tmp_path / f"{method}.err"
+        proc = subprocess.run([sys.executable, str(script), method, str(out), str(err)], capture_output=True,
+                              text=True, timeout=120, cwd=ROOT)
+        assert proc.returncode == 0, err.read_text()[-3000:] if err.exists() else proc.stderr[-3000:]
+        # (the loader may run a staged epoch's first batches too: each line at least once)
+        assert {"out 0", "out 1"} <= set(out.read_text().splitlines()), (method, proc.stdout)
+        assert {"err 0", "err 1"} <= set(err.read_text().splitlines()), (method, proc.stderr)
+        assert proc.stdout.count("out 0") <= 2   # the first loader's (its epoch, and one staged)
