@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _bad_samples, _ring, _rng_state, _spec, _stacks, _zygote
+from . import _bad_samples, _ring, _rng_state, _spec, _stacks
 from ._descriptor import SlotWriter, Structures, pipe_message
 from ._errors import BatchFailure
 from ._face import Face
@@ -134,15 +134,15 @@ def fork_main(spec: WorkerSpec, boot: WorkerBoot) -> None:
     _run(spec, boot)
 
 
-def spawn_main(spec: WorkerSpec | None, boot: WorkerBoot) -> None:
+def spawn_main(spec: WorkerSpec | None, boot: WorkerBoot, unpacked: Callable[[], None] | None = None) -> None:
     """Entry point of a spawned or forkserver worker (started by the zygote or by
     ``multiprocessing``); never returns.  ``spec`` None: it is unpacked from
     ``boot.spec_fd`` (:func:`mploader._spec.unpack`) once the worker watches the
-    parent."""
-    _run(spec, boot)
+    parent, then ``unpacked()`` is called (the zygote's ``end_boot``)."""
+    _run(spec, boot, unpacked)
 
 
-def _run(spec: WorkerSpec | None, boot: WorkerBoot) -> None:
+def _run(spec: WorkerSpec | None, boot: WorkerBoot, unpacked: Callable[[], None] | None = None) -> None:
     code = 0
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -164,7 +164,8 @@ def _run(spec: WorkerSpec | None, boot: WorkerBoot) -> None:
         if spec is None:  # its arrays: views of a copy-on-write mapping shared by every worker
             spec = _spec.unpack(boot.spec_fd)
             os.close(boot.spec_fd)
-        _zygote.end_boot()
+        if unpacked is not None:
+            unpacked()
         init_failure = _init(spec, boot.worker_id)
         _loop(spec, boot, region, init_failure)
     except SystemExit as exc:  # sys.exit() in user code: exit with the status it asked for

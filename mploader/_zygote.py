@@ -590,7 +590,7 @@ def _fork_worker(msg: bytes, fds: list[int], sock: socket.socket, wake_r: int, w
             if env.get(_rng_state.FORCE_ENV) != _Zygote.rng_switch:
                 _rng_state.recheck()
             boot = _FdUnpickler(io.BytesIO(boot_bytes), fds).load()
-            worker.spawn_main(None, boot)  # never returns
+            worker.spawn_main(None, boot, end_boot)  # never returns
         except BaseException:  # noqa: BLE001 - the start failed: say why, exit 1
             import traceback
 
