@@ -35,6 +35,23 @@ class Squares:
         return self.x[i] ** 2 + np.random.random()   # seeded per batch: the same for any method
 
 
+def still_running_after(procs: list[psutil.Process], seconds: float) -> list[psutil.Process]:
+    """Those of ``procs`` still running (zombies count as gone) once none is, or
+    ``seconds`` from now at the latest."""
+    def running(p: psutil.Process) -> bool:
+        try:
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.monotonic() + seconds
+    left = [p for p in procs if running(p)]
+    while left and time.monotonic() < deadline:
+        psutil.wait_procs(left, timeout=0.02)
+        left = [p for p in left if running(p)]
+    return left
+
+
 def gluon_batches(method: str, dataset, **kw) -> list[list]:
     with mploader.DataLoader(dataset, batch_size=4, num_workers=2, start_method=method, seed=5, **kw) as loader:
         return [np.asarray(b).tolist() for b in loader]
@@ -297,12 +314,7 @@ def test_the_zygote_and_its_workers_go_away_with_a_killed_parent(tmp_path, metho
         parent.wait()
         parent.stdin.close()
         parent.stdout.close()
-    deadline = time.monotonic() + 1.0
-    left = procs
-    while left and time.monotonic() < deadline:
-        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        if left:
-            psutil.wait_procs(left, timeout=0.02)
+    left = still_running_after(procs, 1.0)
     assert not left, f"still alive 1 s after the parent's SIGKILL: {left}"
 
 
@@ -491,12 +503,13 @@ def test_a_module_iterating_a_loader_at_import_fails_once(tmp_path, method):
     assert proc.stdout.strip().splitlines()[-1] == "WorkerError 1"
     assert "finished its bootstrapping phase" in proc.stderr
     # Nothing of the script's tree outlives it (the zygote goes with its parent).
-    left = [psutil.Process(pid) for _, pid in imports if psutil.pid_exists(pid)]
-    deadline = time.monotonic() + 5.0
-    while left and time.monotonic() < deadline:
-        left = [p for p in left if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        if left:
-            psutil.wait_procs(left, timeout=0.05)
+    procs = []
+    for _, pid in imports:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    left = still_running_after(procs, 5.0)
     assert not left, left
 
 
