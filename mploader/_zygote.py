@@ -584,9 +584,7 @@ def _fork_worker(msg: bytes, fds: list[int], sock: socket.socket, wake_r: int, w
             for target, fd in zip(stdio, fds[-1 - len(stdio):-1]):
                 os.dup2(fd, target)
                 os.close(fd)
-            if cwd != os.getcwd():
-                os.chdir(cwd)
-            _set_environ(env)
+            _set_environ(env)   # (the working directory was set before the imports)
             if env.get(_rng_state.FORCE_ENV) != _Zygote.rng_switch:
                 _rng_state.recheck()
             boot = _FdUnpickler(io.BytesIO(boot_bytes), fds).load()
