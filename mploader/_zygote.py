@@ -26,6 +26,10 @@ besides those imports.
   pidfd_open is refused, its socket, which reads EOF when the parent is gone) and
   then SIGKILLs the workers it still has and exits.  The workers also watch the
   parent themselves (:func:`mploader._ring.watch_parent`).
+* Before each fork the zygote looks at the files of the user's modules it imported
+  (:class:`_Sources`); one that changed since (edited, reloaded in a notebook) makes
+  it refuse the start, and the parent starts a new zygote, which imports the files
+  as they are, as a spawned child would (:func:`_retire`).
 * ``MPLOADER_ZYGOTE=0`` in the environment turns it off: spawn and forkserver
   workers are then started by ``multiprocessing`` (a true spawn: a new interpreter
   per worker).
@@ -133,6 +137,9 @@ class _Zygote:
     inside = False
     booting = False
     inherited: list[subprocess.Popen] = []   # the zygotes of the processes this one was forked from
+    # Zygotes replaced because a module they imported changed on disk (_retire): each
+    # exits once the workers it forked have exited; their sockets are closed then.
+    retired: list[tuple[subprocess.Popen, socket.socket]] = []
     rng_switch: str | None = None   # MPLOADER_RNG_FALLBACK when the zygote checked the RNG layout
 
 
@@ -146,13 +153,16 @@ def _after_fork_in_child() -> None:
     # under -X dev) and queue it for a waitpid that is not this child's to make.
     if _Zygote.proc is not None:
         _Zygote.inherited.append(_Zygote.proc)
+    retired, _Zygote.retired = _Zygote.retired, []
+    _Zygote.inherited += [proc for proc, _ in retired]
     _Zygote.sock, _Zygote.proc, _Zygote.pid = None, None, -1
     _Zygote.lock = threading.Lock()
-    if sock is not None:
-        try:
-            os.close(sock.detach())
-        except OSError:
-            pass
+    for held in [sock, *(s for _, s in retired)]:
+        if held is not None:
+            try:
+                os.close(held.detach())
+            except OSError:
+                pass
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -226,6 +236,7 @@ def _ensure(extra: Iterable[str] = ()) -> socket.socket:
     _Zygote.sock = None
     if _Zygote.proc is not None and _Zygote.pid == os.getpid():
         _Zygote.proc.wait()  # (it died: reap it)
+    _prune_retired()
     _start(extra)
     assert _Zygote.sock is not None
     return _Zygote.sock
@@ -377,10 +388,15 @@ def start_worker(boot: Any, modules: frozenset[str], name: str) -> ZygoteChild:
                                 stdio, f.getvalue()),
                                protocol=5)
         with _Zygote.lock:
-            reply = _ask(message, fds)
+            kind, value = pickle.loads(_ask(message, fds))
+            if kind == "stale":
+                # A module the zygote imported changed on disk since (edited, then
+                # perhaps reloaded here: a notebook's autoreload).  A spawned child
+                # imports the file as it is now: so does a new zygote.
+                _retire()
+                kind, value = pickle.loads(_ask(message, fds))
         os.close(status_w)
         status_w = -1
-        kind, value = pickle.loads(reply)
         if kind != "ok":
             raise OSError(errno.ECHILD, f"the zygote could not start {name}: {value}")
         return ZygoteChild(int(value), status_r)
@@ -401,6 +417,8 @@ def _ask(message: bytes, fds: list[int]) -> bytes:
     task socket close and exits), it is not asked twice."""
     _Zygote.seq += 1
     seq = _Zygote.seq
+    if _Zygote.retired:
+        _prune_retired()
     for attempt in (0, 1):
         sock = _ensure()
         try:
@@ -431,6 +449,29 @@ def _ask(message: bytes, fds: list[int]) -> bytes:
     raise AssertionError("unreachable")
 
 
+def _retire() -> None:
+    """The running zygote reported a module changed on disk: the next request starts a
+    new one.  The old one starts no more workers and exits once those it forked have
+    exited (their exit statuses still reach their status pipes); it is reaped, and
+    its socket closed, at the next request (:func:`_prune_retired`).  The caller
+    holds the lock."""
+    _prune_retired()
+    if _Zygote.proc is not None and _Zygote.sock is not None and _Zygote.pid == os.getpid():
+        _Zygote.retired.append((_Zygote.proc, _Zygote.sock))
+    _Zygote.proc = _Zygote.sock = None
+
+
+def _prune_retired() -> None:
+    """Reap the retired zygotes that have exited and close their sockets."""
+    keep = []
+    for proc, sock in _Zygote.retired:
+        if proc.poll() is None:
+            keep.append((proc, sock))
+        else:
+            sock.close()
+    _Zygote.retired = keep
+
+
 # ---- the zygote's side --------------------------------------------------------------
 
 def main(args: dict) -> None:
@@ -444,6 +485,9 @@ def main(args: dict) -> None:
     for mod in ["numpy", "mploader._worker", "mploader._spec", "cloudpickle", *args["preload"]]:
         _try_import(mod)
     from . import _worker
+
+    sources = _Sources()
+    sources.watch()
 
     # The RNG layout check (``mploader._rng_state``: 1.4 ms of CPU and ~290 page copies
     # in each worker's first batch, issue 27) is done once here and inherited by the
@@ -466,6 +510,7 @@ def main(args: dict) -> None:
     if os.getppid() != parent:  # the parent died while this process started
         os._exit(0)
     children: dict[int, int] = {}   # pid -> the write end of its status pipe
+    retiring = False   # a module changed on disk: no more workers, exit once the last one has
     poller = select.poll()
     poller.register(sock, select.POLLIN)
     poller.register(wake_r, select.POLLIN)
@@ -486,6 +531,8 @@ def main(args: dict) -> None:
         _reap(children)
         if parent_fd in fds_ready or (parent_fd < 0 and os.getppid() != parent):
             _die(children)
+        if retiring and not children:
+            os._exit(0)
         if sock.fileno() in fds_ready:
             try:
                 msg, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, _MAX_FDS)
@@ -494,11 +541,67 @@ def main(args: dict) -> None:
             if not msg:
                 _die(children)
             seq, msg = msg[:8], msg[8:]
-            pid_or_error = _fork_worker(msg, fds, sock, wake_r, wake_w, parent_fd, children, _worker, mask)
+            pid_or_error = _fork_worker(msg, fds, sock, wake_r, wake_w, parent_fd, children, _worker, mask, sources)
             try:
                 sock.send(seq + pickle.dumps(pid_or_error))
             except OSError:  # the parent is gone
                 _die(children)
+            if pid_or_error[0] == "stale":
+                retiring = True
+                if not children:
+                    os._exit(0)
+
+
+class _Sources:
+    """The files of the modules this zygote imported outside the interpreter's own
+    directories (the standard library, site-packages): the user's modules, editable
+    installs included, with each file's modification time (ns) and size when first
+    seen.  A spawned child imports these files as they are when it starts; a worker
+    forked from here would run the code this zygote imported, however long ago.  So
+    before each fork :meth:`changed` looks at them again, and one that changed (edited,
+    e.g. in a notebook with autoreload) makes this zygote refuse the start: the parent
+    starts a new one (``_retire``)."""
+
+    def __init__(self) -> None:
+        import sysconfig
+
+        dirs: set[str] = set()
+        for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+            path = sysconfig.get_paths().get(key)
+            if path:   # as named and as resolved (a module's __file__ is usually the former)
+                dirs.update(os.path.join(p, "") for p in (os.path.abspath(path), os.path.realpath(path)))
+        self.system = tuple(dirs)
+        self.seen: set[str] = set()
+        self.files: dict[str, tuple[int, int]] = {}
+
+    def watch(self) -> None:
+        """Note the files of the modules imported since the last call."""
+        for name, module in list(sys.modules.items()):
+            if name in self.seen:
+                continue
+            self.seen.add(name)
+            path = getattr(module, "__file__", None)
+            if not isinstance(path, str) or path.startswith(self.system):
+                continue
+            real = os.path.realpath(path)
+            if real in self.files or real.startswith(self.system):
+                continue
+            try:
+                st = os.stat(real)
+            except OSError:   # (inside a zip, say: not watched)
+                continue
+            self.files[real] = (st.st_mtime_ns, st.st_size)
+
+    def changed(self) -> str | None:
+        """The first watched file that changed or went away, said in words; None if none."""
+        for path, (mtime, size) in self.files.items():
+            try:
+                st = os.stat(path)
+            except OSError:
+                return f"{path} is gone"
+            if (st.st_mtime_ns, st.st_size) != (mtime, size):
+                return f"{path} changed on disk"
+        return None
 
 
 def _try_import(mod: str) -> None:
@@ -553,7 +656,7 @@ def _set_environ(env: dict[str, str]) -> None:
 
 
 def _fork_worker(msg: bytes, fds: list[int], sock: socket.socket, wake_r: int, wake_w: int, parent_fd: int,
-                 children: dict[int, int], worker: Any, mask: Any) -> tuple[str, Any]:
+                 children: dict[int, int], worker: Any, mask: Any, sources: _Sources) -> tuple[str, Any]:
     try:
         modules, path, argv, cwd, env, name, stdio, boot_bytes = pickle.loads(msg)
         # The imports below run user modules: they see the parent's sys.path, sys.argv
@@ -566,10 +669,16 @@ def _fork_worker(msg: bytes, fds: list[int], sock: socket.socket, wake_r: int, w
             os.chdir(cwd)
         for mod in modules:
             _try_import(mod)
+        sources.watch()
+        changed = sources.changed()
     except BaseException as exc:  # noqa: BLE001 - told to the parent
         for fd in fds:
             os.close(fd)
         return ("error", f"{type(exc).__name__}: {exc}")
+    if changed is not None:   # the parent starts a new zygote (_retire) and asks it
+        for fd in fds:
+            os.close(fd)
+        return ("stale", changed)
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the worker
         try:

@@ -640,3 +640,64 @@ def test_workers_write_to_the_parents_stdout_and_stderr_as_they_are_at_the_start
         assert {"out 0", "out 1"} <= set(out.read_text().splitlines()), (method, proc.stdout)
         assert {"err 0", "err 1"} <= set(err.read_text().splitlines()), (method, proc.stderr)
         assert proc.stdout.count("out 0") <= 2   # the first loader's (its epoch, and one staged)
+
+
+EDITED_MODULE = """
+import numpy as np
+
+
+class DS:
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return np.array([i * {scale}])
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_workers_run_a_module_as_it_is_on_disk_when_they_start(tmp_path, method):
+    """The dataset's module edited on disk (and reloaded in the parent: a notebook
+    with autoreload) after the zygote imported it: the next loader's workers ran the
+    old code, where a spawned child -- torch's spawn and forkserver workers -- imports
+    the file as it is.  Now the zygote sees the file changed, starts no worker, and
+    the parent starts a new zygote; the old one stays while its workers (a loader
+    started before the edit) run, and exits once they have."""
+    (tmp_path / "edited.py").write_text(EDITED_MODULE.format(scale=1))
+    script = tmp_path / "notebook.py"
+    script.write_text(textwrap.dedent("""
+        import importlib, json, sys
+        import numpy as np
+        import mploader
+        from mploader import _zygote
+        import edited
+
+        def batches(loader):
+            return [np.asarray(b).ravel().tolist() for b in loader]
+
+        if __name__ == "__main__":
+            method = sys.argv[1]
+            out = {}
+            kept = mploader.DataLoader(edited.DS(), batch_size=4, num_workers=2, start_method=method)
+            out["before"] = batches(kept)
+            old = _zygote.zygote_pid()
+            with open(edited.__file__, "w") as f:
+                f.write(sys.argv[2])
+            importlib.reload(edited)
+            with mploader.DataLoader(edited.DS(), batch_size=4, num_workers=2, start_method=method) as loader:
+                out["after"] = batches(loader)
+            out["new_zygote"] = _zygote.zygote_pid() not in (None, old)
+            out["kept"] = batches(kept)   # its workers started before the edit
+            retired = _zygote._Zygote.retired
+            out["old_running"] = [p.pid for p, _ in retired if p.poll() is None] == [old]
+            kept.close()
+            out["old_exit"] = retired[0][0].wait(timeout=30)
+            print(json.dumps(out))
+    """))
+    proc = subprocess.run([sys.executable, str(script), method, EDITED_MODULE.format(scale=100)],
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"before": [[0, 1, 2, 3]], "after": [[0, 100, 200, 300]], "new_zygote": True,
+                   "kept": [[0, 1, 2, 3]], "old_running": True, "old_exit": 0}, proc.stderr[-2000:]
