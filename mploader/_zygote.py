@@ -236,7 +236,6 @@ def _ensure(extra: Iterable[str] = ()) -> socket.socket:
     _Zygote.sock = None
     if _Zygote.proc is not None and _Zygote.pid == os.getpid():
         _Zygote.proc.wait()  # (it died: reap it)
-    _prune_retired()
     _start(extra)
     assert _Zygote.sock is not None
     return _Zygote.sock
@@ -455,7 +454,6 @@ def _retire() -> None:
     exited (their exit statuses still reach their status pipes); it is reaped, and
     its socket closed, at the next request (:func:`_prune_retired`).  The caller
     holds the lock."""
-    _prune_retired()
     if _Zygote.proc is not None and _Zygote.sock is not None and _Zygote.pid == os.getpid():
         _Zygote.retired.append((_Zygote.proc, _Zygote.sock))
     _Zygote.proc = _Zygote.sock = None
@@ -517,6 +515,8 @@ def main(args: dict) -> None:
     if parent_fd >= 0:
         poller.register(parent_fd, select.POLLIN)
     while True:
+        if retiring and not children:   # (after a reap, or right after the refusal)
+            os._exit(0)
         try:
             events = poller.poll()
         except InterruptedError:
@@ -531,8 +531,6 @@ def main(args: dict) -> None:
         _reap(children)
         if parent_fd in fds_ready or (parent_fd < 0 and os.getppid() != parent):
             _die(children)
-        if retiring and not children:
-            os._exit(0)
         if sock.fileno() in fds_ready:
             try:
                 msg, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, _MAX_FDS)
@@ -548,8 +546,6 @@ def main(args: dict) -> None:
                 _die(children)
             if pid_or_error[0] == "stale":
                 retiring = True
-                if not children:
-                    os._exit(0)
 
 
 class _Sources:
