@@ -10,7 +10,8 @@ References: the uninterrupted run of the same script; the order of the
 ``StatefulDataLoader`` resumed through the same trainer, where it resumes the order
 (an interruption in the first epoch: later in the run it resumes with epoch 0's order,
 and its augmentations after a resume are not the uninterrupted run's, so only its
-batch indices are compared).
+batch indices are compared; it runs without workers, which do not change the indices
+it resumes).
 
 Lightning 2.6 keeps no RNG state in its checkpoints; with torch's seeding each
 epoch's base seed is drawn from torch's global RNG, as in torch, so the module saves
@@ -60,12 +61,13 @@ SCRIPT = textwrap.dedent('''
             # that Lightning injects into ours.
             from torch.utils.data import DistributedSampler
             from torchdata.stateful_dataloader import StatefulDataLoader
-            # forkserver: a worker forked from this rank, beside gloo's threads, once
-            # deadlocked in CPython's after-fork clean-up (CI, 2026-11-26); torch has no
-            # start-up deadline (mploader's fork workers have one: tests/test_fork_boot.py)
-            return StatefulDataLoader(Items(), batch_size=3, num_workers=2, persistent_workers=persistent,
-                                      sampler=DistributedSampler(Items(), 2, rank, shuffle=True, seed=0),
-                                      multiprocessing_context="forkserver")
+            # No workers: the batch indices torchdata resumes come from its sampler's
+            # state, which its workers do not change; its workers would have to be
+            # forkserver ones (a worker forked from this rank, beside gloo's threads, once
+            # deadlocked in CPython's after-fork clean-up: CI, 2026-11-26), and each of
+            # those imports this script, Lightning with it: 74 of the test's 95 s.
+            return StatefulDataLoader(Items(), batch_size=3, num_workers=0,
+                                      sampler=DistributedSampler(Items(), 2, rank, shuffle=True, seed=0))
         from mploader.torch import DataLoader
         return DataLoader(Items(), batch_size=3, shuffle=True, num_workers=2, seed=seed,
                           persistent_workers=persistent)

@@ -144,7 +144,7 @@ LIGHTNING_SCRIPT = textwrap.dedent('''
             sampler = dl.sampler
             order = [int(i) for i in sampler]
             # one file per rank: the ranks' stdout lines can interleave
-            with open(f"result-{self.global_rank}.json", "w") as f:
+            with open(f"result-{TAG}-{self.global_rank}.json", "w") as f:
                 json.dump({"rank": self.global_rank, "cls": type(dl).__module__, "seed": dl.seed, "copy": dl.copy,
                            "slot": dl.stats()["slot"], "seen": self.seen, "sampler": type(sampler).__name__,
                            "order": order}, f)
@@ -152,37 +152,50 @@ LIGHTNING_SCRIPT = textwrap.dedent('''
             return torch.optim.SGD(self.parameters(), 0.1)
 
     if __name__ == "__main__":
-        mode = sys.argv[1]
         common = dict(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)
-        if mode == "overfit":
-            trainer = L.Trainer(devices=1, overfit_batches=3, **common)
-        else:
-            trainer = L.Trainer(strategy="ddp", devices=2, **common)
-        if mode == "instance":   # a loader built outside the hooks
-            trainer.fit(Module(), train_dataloaders=make_loader())
-        else:
-            trainer.fit(Module())
+        # "ddp": both DDP modes, one launch of the ranks; "inside" first, so that
+        # mploader.torch is first imported inside the hook
+        for TAG in (["inside", "instance"] if sys.argv[1] == "ddp" else [sys.argv[1]]):
+            if TAG == "overfit":
+                trainer = L.Trainer(devices=1, overfit_batches=3, **common)
+            else:
+                trainer = L.Trainer(strategy="ddp", devices=2, **common)
+            if TAG == "instance":   # a loader built outside the hooks
+                trainer.fit(Module(), train_dataloaders=make_loader())
+            else:
+                trainer.fit(Module())
 ''')
 
 
-def run_lightning(tmp_path, mode: str) -> list[dict]:
+def run_lightning(tmp_path, mode: str) -> dict[str, list[dict]]:
+    """The script's results by mode (``ddp``: both DDP modes), each a list by rank."""
     script = tmp_path / "train.py"
     script.write_text(LIGHTNING_SCRIPT)
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     p = subprocess.run([sys.executable, str(script), mode], cwd=tmp_path, capture_output=True, text=True,
                        timeout=240, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return [json.loads(f.read_text()) for f in sorted(tmp_path.glob("result-*.json"))]
+    out: dict[str, list[dict]] = {}
+    for f in sorted(tmp_path.glob("result-*.json")):
+        out.setdefault(f.stem.split("-")[1], []).append(json.loads(f.read_text()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def lightning_ddp(tmp_path_factory) -> dict[str, list[dict]]:
+    """Both DDP modes from one run of the script (one launch of the two ranks: a
+    Lightning launch costs ~10 s here)."""
+    return run_lightning(tmp_path_factory.mktemp("lightning_ddp"), "ddp")
 
 
 @pytest.mark.parametrize("mode", ["inside", "instance"], ids=["loader class imported in the hook",
                                                              "loader built outside the hooks"])
-def test_lightning_ddp_keeps_every_argument_on_every_rank(tmp_path, mode):
+def test_lightning_ddp_keeps_every_argument_on_every_rank(lightning_ddp, mode):
     """Lightning injects a DistributedSampler by re-instantiating the loader; before,
     the first mode failed ("more than one `__init__` argument can be passed to its
     parent's `sampler=...`") and the second dropped seed/copy/shared_mem."""
-    results = run_lightning(tmp_path, mode)
+    results = lightning_ddp[mode]
     assert [r["rank"] for r in results] == [0, 1]
     for r in results:
         assert (r["cls"], r["seed"], r["copy"], r["sampler"]) == ("mploader.torch", 7, True, "DistributedSampler")
@@ -192,6 +205,6 @@ def test_lightning_ddp_keeps_every_argument_on_every_rank(tmp_path, mode):
 
 
 def test_lightning_overfit_batches_keeps_the_ring(tmp_path):
-    (r,) = run_lightning(tmp_path, "overfit")
+    (r,) = run_lightning(tmp_path, "overfit")["overfit"]
     assert (r["cls"], r["seed"], r["copy"], r["sampler"]) == ("mploader.torch", 7, True, "SequentialSampler")
     assert r["seen"] == list(range(12)) and r["slot"] == 3
