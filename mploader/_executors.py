@@ -81,8 +81,14 @@ def start_worker(spec: WorkerSpec, wid: int, region: Any, start_method: str,
     pickle.PicklingError
         (spawn, forkserver) Part of ``spec`` cannot be pickled even by value; the
         message names its attribute path (``dataset.transform.fn``).
+    RuntimeError
+        Called in a zygote while it imports the parent's main script (a script with
+        no ``if __name__ == "__main__":`` guard; :func:`mploader._zygote.importing_main_error`).
     """
     what = f"worker {wid} of a loader with num_workers={spec.num_workers}"
+    refused = _zygote.importing_main_error()
+    if refused is not None:
+        raise refused
     how = descriptor_kind(start_method)
     _fds.check_headroom(spec.num_workers, how, what)
     try:

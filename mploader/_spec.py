@@ -15,8 +15,12 @@ workers: pickled once, its large buffers in a memfd every worker maps copy-on-wr
   the same mode (``r+``: writes reach the file, as under fork).
 * What the standard pickler refuses (a lambda, a local class) or would pickle by a
   reference no worker can import (anything defined in ``__main__``, e.g. a notebook)
-  is pickled by value with ``cloudpickle``.  What even that refuses raises
-  :class:`pickle.PicklingError` naming the attribute path (``dataset.transform.fn``).
+  is pickled by value with ``cloudpickle``.  Where that fails too for an object of
+  ``__main__`` (a method there uses a global lock or open file) and the main script
+  is a file or a ``-m`` module, it is pickled by reference, as spawn does: the
+  workers import the script as ``__mp_main__`` (:data:`MAIN` among the modules).
+  What none of these can pickle raises :class:`pickle.PicklingError` naming the
+  attribute path (``dataset.transform.fn``).
 * :class:`Transport` is one loader's packed spec: packed at the first start of a
   generation of workers (every start of all the workers: the first ``iter()``, each
   epoch without persistent workers), and kept while the new pickle is the same.
@@ -49,6 +53,10 @@ _MAGIC = b"MPLSPEC1"
 _HEAD = struct.Struct("<8sQQQ")   # magic, stream offset, stream bytes, number of buffers
 _ENTRY = struct.Struct("<QQQ")    # one buffer: offset, bytes, 1 if a persistent id names it (else NEXT_BUFFER)
 _PAGE = mmap.PAGESIZE             # every buffer starts on a page: copy-on-write per array
+#: Among a packed spec's modules: the workers import the main script (or ``-m``
+#: module) as ``__mp_main__``, aliased ``__main__``, as spawn's children do
+#: (``multiprocessing.spawn.prepare``), since part of the spec names ``__main__``.
+MAIN = "__mp_main__"
 
 
 class _ByValue(Exception):
@@ -126,12 +134,13 @@ class _Hooks:
 
 
 class _Pickler(_Hooks, pickle.Pickler):
-    def __init__(self, file: Any) -> None:
+    def __init__(self, file: Any, by_value_main: bool = True) -> None:
         self._start()
+        self.by_value_main = by_value_main
         super().__init__(file, protocol=5, buffer_callback=self._buffer_callback)
 
     def reducer_override(self, obj: Any) -> Any:
-        r = self._reduce(obj, by_value_main=True)
+        r = self._reduce(obj, by_value_main=self.by_value_main)
         return NotImplemented if r is None else r
 
 
@@ -279,11 +288,32 @@ def _dump(obj: Any) -> tuple[bytes, list[memoryview], list[bool], frozenset[str]
         p = _cloud_pickler(f)
         try:
             p.dump(obj)
+            by_value = True
         except Exception as exc2:  # noqa: BLE001 - named below
-            raise unpicklable(obj, exc2) from (first if not isinstance(first, _ByValue) else exc2)
-        by_value = True
+            if not (isinstance(first, _ByValue) and main_preparation()):
+                raise unpicklable(obj, exc2) from (first if not isinstance(first, _ByValue) else exc2)
+            # By reference to a main script the workers import, as spawn's children do.
+            f = io.BytesIO()
+            p = _Pickler(f, by_value_main=False)
+            try:
+                p.dump(obj)
+            except Exception:  # noqa: BLE001 - the by-value attempt's error names the part
+                raise unpicklable(obj, exc2) from exc2
+            by_value = False
+            p.modules.add(MAIN)
     modules = frozenset(m for m in p.modules if m != "__main__")
     return f.getvalue(), [_raw(b) for b in p.buffers], _persistent(p.buffers), modules, by_value
+
+
+def main_preparation() -> dict[str, str]:
+    """How a spawned child of this process imports its main module, as
+    ``multiprocessing.spawn.get_preparation_data`` gives it: ``{"init_main_from_name":
+    module}`` (run with ``-m``) or ``{"init_main_from_path": file}`` (a script); empty
+    where there is none to import (a notebook, ``-c``, standard input)."""
+    import multiprocessing.spawn
+
+    data = multiprocessing.spawn.get_preparation_data("mploader")
+    return {k: data[k] for k in ("init_main_from_name", "init_main_from_path") if k in data}
 
 
 def _children(obj: Any) -> Iterator[tuple[str, Any]]:

@@ -57,7 +57,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from . import _fds, _rng_state
+from . import _fds, _rng_state, _spec
 from ._errors import UNKNOWN_STATUS, ExitStatus
 
 #: The environment variable that turns the zygote off ("0").
@@ -141,6 +141,7 @@ class _Zygote:
     # exits once the workers it forked have exited; their sockets are closed then.
     retired: list[tuple[subprocess.Popen, socket.socket]] = []
     rng_switch: str | None = None   # MPLOADER_RNG_FALLBACK when the zygote checked the RNG layout
+    importing_main = False          # this zygote imports the parent's main script now (_import_main)
 
 
 def _after_fork_in_child() -> None:
@@ -383,8 +384,10 @@ def start_worker(boot: Any, modules: frozenset[str], name: str) -> ZygoteChild:
         fds.append(status_w)
         # The zygote reads the outer record; only the worker unpickles the boot (the
         # zygote never holds objects that own the passed descriptors).
-        message = pickle.dumps((sorted(modules), sys.path, list(sys.argv), os.getcwd(), dict(os.environ), name,
-                                stdio, f.getvalue()),
+        # (the spec names __main__ and only the main script itself defines it: _spec.MAIN)
+        main = _spec.main_preparation() if _spec.MAIN in modules else {}
+        message = pickle.dumps((sorted(modules - {_spec.MAIN}), sys.path, list(sys.argv), os.getcwd(),
+                                dict(os.environ), name, stdio, main, f.getvalue()),
                                protocol=5)
         with _Zygote.lock:
             kind, value = pickle.loads(_ask(message, fds))
@@ -600,6 +603,35 @@ class _Sources:
         return None
 
 
+def _import_main(main: dict[str, str]) -> None:
+    """Import the parent's main script (or ``-m`` module) as ``__mp_main__``, aliased
+    ``__main__``, as a spawned child does (``multiprocessing.spawn.prepare``, which
+    this calls): once per zygote, whose workers inherit it, as forkserver's server
+    preloads it.  Only for a spec that names ``__main__`` and that cloudpickle could not
+    pickle by value (:data:`mploader._spec.MAIN`).  A script that starts a loader's
+    workers while it is imported so (no ``if __name__ == "__main__":`` guard) gets
+    :func:`importing_main_error`, as spawn's children raise theirs."""
+    import multiprocessing.spawn
+
+    _Zygote.importing_main = True
+    try:
+        multiprocessing.spawn.prepare(main)
+    finally:
+        _Zygote.importing_main = False
+
+
+def importing_main_error() -> RuntimeError | None:
+    """The error for starting workers while the zygote imports the main script
+    (:func:`_import_main`), or None."""
+    if not _Zygote.importing_main:
+        return None
+    return RuntimeError(
+        "mploader: the main script started a loader's workers while the zygote imported it as "
+        "__mp_main__ (the dataset, collate_fn or worker_init_fn is defined in it and could not be "
+        "pickled by value, so the workers import the script, as spawn's children do).  Guard the "
+        "script's entry point with `if __name__ == \"__main__\":`, as spawn and forkserver require")
+
+
 def _try_import(mod: str) -> None:
     if mod in sys.modules:
         return
@@ -654,7 +686,7 @@ def _set_environ(env: dict[str, str]) -> None:
 def _fork_worker(msg: bytes, fds: list[int], sock: socket.socket, wake_r: int, wake_w: int, parent_fd: int,
                  children: dict[int, int], worker: Any, mask: Any, sources: _Sources) -> tuple[str, Any]:
     try:
-        modules, path, argv, cwd, env, name, stdio, boot_bytes = pickle.loads(msg)
+        modules, path, argv, cwd, env, name, stdio, main, boot_bytes = pickle.loads(msg)
         # The imports below run user modules: they see the parent's sys.path, sys.argv
         # and working directory, as a spawned child's do (multiprocessing.spawn.prepare):
         # a module that parses sys.argv or opens a relative path at import works.
@@ -663,6 +695,8 @@ def _fork_worker(msg: bytes, fds: list[int], sock: socket.socket, wake_r: int, w
         sys.argv = argv
         if cwd != os.getcwd():
             os.chdir(cwd)
+        if main:
+            _import_main(main)
         for mod in modules:
             _try_import(mod)
         sources.watch()
