@@ -70,9 +70,15 @@ def run_case(body: str, timeout_s: float = 60, expect_rc: int = 0, env_extra: di
     try:
         out, err = proc.communicate(stdin_text, timeout=timeout_s)
     except subprocess.TimeoutExpired:
+        # SIGABRT first: faulthandler (PYTHONFAULTHANDLER) prints every thread's stack
+        os.kill(proc.pid, signal.SIGABRT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        pytest.fail(f"case hung for {timeout_s} s\nstdout:\n{out}\nstderr:\n{err}")
+        pytest.fail(f"case hung for {timeout_s} s\nstdout:\n{out}\nstderr:\n{err[-20000:]}")
     finally:
         _assert_group_gone(proc.pid)
     assert proc.returncode == expect_rc, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err}"
