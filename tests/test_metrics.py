@@ -350,7 +350,10 @@ def test_periodic_report_through_logging(no_leaks, caplog):
         # 24 steps of >= 30 ms: at most one report per 50 ms of the epoch, at least a few.
         assert 2 <= len(records) <= wall / 0.05 + 2
         assert all(r.levelno == logging.INFO and r.getMessage().startswith("mploader: ") for r in records)
-        assert "batches/s" in records[-1].getMessage() and "compute-bound" in records[-1].getMessage()
+        # The verdict itself depends on timing (a loaded machine made this one
+        # "transport-bound"): test_diagnose_* pin the rules; here, that one is given.
+        last = records[-1].getMessage()
+        assert "batches/s" in last and sum(f" -- {kind}: " in last for kind in _diagnose.KINDS) == 1, last
         caplog.clear()
         dl.log_stats_every(None)
         with caplog.at_level(logging.INFO, logger="test_metrics.report"):
