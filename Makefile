@@ -3,7 +3,9 @@
 #                    pytest on the library's tests and the harness's (bench/tests)
 # make bench       : venv in .venv, install mploader and the harness, run `mploader bench`
 #                    (BENCH_ARGS="--suite transport --repeats 1" and the like pass options through;
-#                    PYTEST_ARGS="--durations=20" and the like for make test)
+#                    PYTEST_ARGS="--durations=20" and the like for make test; the suite runs
+#                    on PYTEST_WORKERS processes (pytest-xdist, default 2, whole files
+#                    each: module fixtures are set up once; PYTEST_WORKERS=0: one process))
 # make sdist       : dist/mploader-<v>.tar.gz (python -m build --sdist)
 # make wheel       : a wheel built from that sdist, repaired by auditwheel (manylinux tag)
 # make test-release: the sdist and the wheel, each installed into a fresh venv and run
@@ -17,6 +19,7 @@ PY := $(VENV)/bin/python
 PIP_INSTALL := $(PY) -m pip install -c constraints.txt
 BENCH_ARGS ?=
 PYTEST_ARGS ?=
+PYTEST_WORKERS ?= 2
 # Our own builds compile with -Werror (users' do not: setup.py), and the isolated build
 # environments pip makes take the pinned Cython from constraints.txt.
 export MPLOADER_WERROR := 1
@@ -36,7 +39,7 @@ install-bench: $(PY)
 	$(PIP_INSTALL) -e . -e ./bench
 
 test: install-test
-	$(PY) -m pytest tests $(wildcard bench/tests) $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile tests $(wildcard bench/tests) $(PYTEST_ARGS)
 
 bench: install-bench
 	$(VENV)/bin/mploader bench $(BENCH_ARGS)
