@@ -34,12 +34,19 @@ SCRIPT = textwrap.dedent("""
     from mploader import _zygote
     from rowsdata import Rows
 
-    def zygote():
+    def zygote(settled=False):
         pid = _zygote.zygote_pid()
         if pid is None:
             return None
-        boot = json.loads(psutil.Process(pid).cmdline()[-1])
-        return {"pid": pid, "preload": boot["preload"]}
+        # The boot the zygote was started with.  Its /proc cmdline is read only once it
+        # has served a request: Popen returns while the kernel is still setting up the
+        # new program, before its arguments are in place, so a read just after the start
+        # finds none in most starts (287 of 300 bare Popen starts here; under load the
+        # loader's construction no longer covered that window: 2 failures in a suite run).
+        args = _zygote._Zygote.proc.args
+        if settled:
+            assert psutil.Process(pid).cmdline() == list(args), (psutil.Process(pid).cmdline(), args)
+        return {"pid": pid, "preload": json.loads(args[-1])["preload"]}
 
     if __name__ == "__main__":
         case = sys.argv[1]
@@ -57,7 +64,7 @@ SCRIPT = textwrap.dedent("""
             loader = mt.DataLoader(Rows(), batch_size=2, num_workers=2, multiprocessing_context=case)
         out["constructed"] = zygote()
         out["batches"] = [b.tolist() for b in loader]
-        out["after"] = zygote()
+        out["after"] = zygote(settled=True)   # (its workers came from it: it has run)
         loader.close()
         print(json.dumps(out))
 """)
