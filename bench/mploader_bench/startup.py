@@ -37,7 +37,10 @@ Each cell runs in a fresh process.  The table gives the wait for the first batch
 epochs 2 and later (from ``iter()`` to the first ``next()``'s return) against the
 steady-state wait in ``next()`` (the batches after the first ``STEADY_FROM`` of each
 epoch: each run's median, and its mean -- the wait per batch where the workers are the
-bottleneck and the waits two-valued), medians with min-max.
+bottleneck and the waits two-valued), medians with min-max.  Beside it, the epoch's
+start as a whole: the first ``STEADY_FROM`` batches' waits of epochs 2 and later,
+summed, against ``STEADY_FROM`` steady medians -- what a boundary costs may land after
+its first batch (the Gluon face stages the epoch after next at its second ``next()``).
 """
 from __future__ import annotations
 
@@ -409,12 +412,15 @@ def _run_epoch_child(which: str, method: str, persistent: bool) -> dict[str, Any
 
 
 def epoch_summary(waits: list[list[float]]) -> dict[str, list[float]]:
-    """The first-batch waits of epochs 2 and later, and the steady-state waits (the
-    batches after the first ``STEADY_FROM`` of each epoch), in milliseconds.  Where the
-    workers are the bottleneck the steady-state waits are two-valued (the workers
-    finish together: about 0.2 ms, then a batch's load), so their median is either
-    value by chance; the table also gives their mean, the wait per batch."""
+    """The first-batch waits of epochs 2 and later, the waits of their first
+    ``STEADY_FROM`` batches summed (``start_ms``: the epoch's start as a whole), and
+    the steady-state waits (the batches after the first ``STEADY_FROM`` of each
+    epoch), in milliseconds.  Where the workers are the bottleneck the steady-state
+    waits are two-valued (the workers finish together: about 0.2 ms, then a batch's
+    load), so their median is either value by chance; the table also gives their
+    mean, the wait per batch."""
     return {"first_ms": [1000 * e[0] for e in waits[1:] if e],
+            "start_ms": [1000 * sum(e[:STEADY_FROM]) for e in waits[1:] if len(e) >= STEADY_FROM],
             "steady_ms": [1000 * w for e in waits for w in e[STEADY_FROM:]]}
 
 
@@ -428,7 +434,8 @@ def _epoch_rows(methods: Sequence[str], loaders: Sequence[str], repeats: int, ec
                         continue   # the Gluon face's workers always persist
                     res = _run_epoch_child(which, method, persistent)
                     cell = cells.setdefault((which, method, persistent),
-                                            {"first_ms": [], "steady_ms": [], "steady_mean_ms": [], "errors": []})
+                                            {"first_ms": [], "start_ms": [], "steady_ms": [], "steady_mean_ms": [],
+                                             "errors": []})
                     if "error" in res:
                         cell["errors"].append(res["error"])
                         echo(f"  repeat {r + 1}/{repeats} {which:8s} {method:10s} persistent={persistent}: "
@@ -436,6 +443,7 @@ def _epoch_rows(methods: Sequence[str], loaders: Sequence[str], repeats: int, ec
                         continue
                     summary = epoch_summary(res["waits"])
                     cell["first_ms"] += summary["first_ms"]
+                    cell["start_ms"] += summary["start_ms"]
                     # one median per run: each run weighs the same
                     cell["steady_ms"].append(statistics.median(summary["steady_ms"]))
                     cell["steady_mean_ms"].append(statistics.fmean(summary["steady_ms"]))
@@ -460,28 +468,34 @@ def _epoch_label(which: str) -> str:
 
 def format_epoch_table(report: dict) -> str:
     """The epoch-boundary rows as a Markdown table: first-batch wait of epochs 2 and
-    later, steady-state wait (the median and the mean of each run), and the ratios of
-    the medians."""
+    later, steady-state wait (the median and the mean of each run), the ratios of the
+    medians, and the epoch's start as a whole (its first ``steady_from`` batches'
+    waits summed) against as many steady medians."""
     st = report["epoch_setting"]
     lines = [f"Epoch boundaries: {st['workers']} workers, batches of {st['batch_size']} samples of "
              f"{st['sample_ms']:g} ms CPU each, a {st['step_ms']:g} ms training step, {st['epochs']} epochs of "
              f"{st['epoch_batches']} batches, shuffle=True; wait in next(), ms, medians (min-max) over "
              f"{report['repeats']} runs (first batch: every epoch after the first, from iter(); steady state: each "
-             f"run's median, and mean, of the batches after the first {st['steady_from']} of each epoch)",
+             f"run's median, and mean, of the batches after the first {st['steady_from']} of each epoch; epoch "
+             f"start: the first {st['steady_from']} batches of epochs 2+, summed, against {st['steady_from']} "
+             f"steady medians)",
              "",
              "| start method | workers | loader | first batch of epochs 2+ (ms, from iter()) | steady state, "
-             "median (ms) | ratio | steady state, mean (ms) | ratio to mean |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+             f"median (ms) | ratio | steady state, mean (ms) | ratio to mean | epoch start: first {st['steady_from']} "
+             f"batches summed (ms) | ratio to {st['steady_from']} medians |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
 
-    def ratio(first: list[float], steady: list[float]) -> str:
-        return (f"{statistics.median(first) / statistics.median(steady):.1f}"
+    def ratio(first: list[float], steady: list[float], times: int = 1) -> str:
+        return (f"{statistics.median(first) / (times * statistics.median(steady)):.1f}"
                 if first and steady and statistics.median(steady) > 0 else "--")
     for r in report["epoch_rows"]:
-        means = r.get("steady_mean_ms", [])
+        means, start = r.get("steady_mean_ms", []), r.get("start_ms", [])
         lines.append(f"| {r['method']} | {'persistent' if r['persistent'] else 'restarted'} | "
                      f"{_epoch_label(r['loader'])} | {spread(r['first_ms'], '.2f')} | "
                      f"{spread(r['steady_ms'], '.2f')} | {ratio(r['first_ms'], r['steady_ms'])} | "
-                     f"{spread(means, '.2f') if means else '--'} | {ratio(r['first_ms'], means)} |")
+                     f"{spread(means, '.2f') if means else '--'} | {ratio(r['first_ms'], means)} | "
+                     f"{spread(start, '.2f') if start else '--'} | "
+                     f"{ratio(start, r['steady_ms'], st['steady_from'])} |")
     errors = [f"{r['loader']} {r['method']} persistent={r['persistent']}: {e}" for r in report["epoch_rows"]
               for e in r["errors"]]
     if errors:

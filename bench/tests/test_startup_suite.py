@@ -2,6 +2,8 @@
 ``mploader bench --suite startup``)."""
 from __future__ import annotations
 
+import pytest
+
 from mploader_bench import cli, startup
 
 
@@ -30,18 +32,22 @@ def test_epoch_summary_takes_epochs_two_and_later_and_the_steady_state():
     waits = [[0.5] + [0.001] * 9, [0.04, 0.02, 0.01, 0.01] + [0.002] * 6, [0.03] + [0.003] * 9]
     summary = startup.epoch_summary(waits)
     assert summary["first_ms"] == [40.0, 30.0]   # not the first epoch's start-up
+    # the epoch's start as a whole: its first STEADY_FROM (4) batches, summed
+    assert startup.STEADY_FROM == 4
+    assert summary["start_ms"] == pytest.approx([80.0, 39.0])
     steady = summary["steady_ms"]
     assert len(steady) == 3 * (10 - startup.STEADY_FROM) and set(steady) == {1.0, 2.0, 3.0}
 
 
 def test_the_epoch_table_gives_first_batch_and_steady_state_side_by_side():
     rows = [{"loader": "mploader", "method": "fork", "persistent": True, "first_ms": [40.0, 30.0, 50.0],
-             "steady_ms": [2.0, 1.0, 3.0], "errors": []},
+             "start_ms": [48.0, 40.0, 64.0], "steady_ms": [2.0, 1.0, 3.0], "errors": []},
             {"loader": "gluon", "method": "forkserver", "persistent": True, "first_ms": [], "steady_ms": [],
              "errors": ["boom"]}]
     table = startup.format_epoch_table({"repeats": 3, "epoch_rows": rows, "epoch_setting": startup.epoch_setting()})
-    assert "| fork | persistent | mploader.torch | 40.00 (30.00-50.00) | 2.00 (1.00-3.00) | 20.0 |" in table
-    assert "| forkserver | persistent | mploader (Gluon, seed=) | -- | -- | -- |" in table
+    assert ("| fork | persistent | mploader.torch | 40.00 (30.00-50.00) | 2.00 (1.00-3.00) | 20.0 | -- | -- | "
+            "48.00 (40.00-64.00) | 6.0 |") in table   # 48 ms against 4 steady medians of 2 ms
+    assert "| forkserver | persistent | mploader (Gluon, seed=) | -- | -- | -- | -- | -- | -- | -- |" in table
     assert "gluon forkserver persistent=True: boom" in table
 
 
