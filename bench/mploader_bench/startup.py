@@ -493,8 +493,7 @@ def format_epoch_table(report: dict) -> str:
         lines.append(f"| {r['method']} | {'persistent' if r['persistent'] else 'restarted'} | "
                      f"{_epoch_label(r['loader'])} | {spread(r['first_ms'], '.2f')} | "
                      f"{spread(r['steady_ms'], '.2f')} | {ratio(r['first_ms'], r['steady_ms'])} | "
-                     f"{spread(means, '.2f') if means else '--'} | {ratio(r['first_ms'], means)} | "
-                     f"{spread(start, '.2f') if start else '--'} | "
+                     f"{spread(means, '.2f')} | {ratio(r['first_ms'], means)} | {spread(start, '.2f')} | "
                      f"{ratio(start, r['steady_ms'], st['steady_from'])} |")
     errors = [f"{r['loader']} {r['method']} persistent={r['persistent']}: {e}" for r in report["epoch_rows"]
               for e in r["errors"]]
