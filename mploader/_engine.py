@@ -306,10 +306,16 @@ class Engine:
 
     def staged_slots(self) -> list[int]:
         """The ring's slots that hold the next epoch's first batches, dispatched ahead
-        while this epoch ended (docs/design.md, "No gap between epochs"): not leaked,
-        the next run takes them over or frees them."""
+        while this epoch ended (docs/design.md, "No gap between epochs"), and those a
+        new run took and has not yet compared with its own first tasks (it has not
+        been stepped): not leaked, the run takes them over or frees them."""
         with self._lock:
-            return self._scheduler.staged_slots()
+            slots = self._scheduler.staged_slots()
+            run = self._current()
+            taken = run.staged if run is not None else None
+            if taken is not None:
+                slots += [t.slot for t in taken.inflight if t.slot >= 0]
+            return slots
 
     def stats(self) -> dict:
         """Counters: batches, slot (fast path), fallback_inband, fallback_pipe, no_free_slot,
@@ -386,7 +392,7 @@ class Engine:
     # ---- running ----
 
     def run(self, tasks: Iterable[tuple], in_order: bool = True, tagged: bool = False,
-            lookahead: Callable[[], Iterator[tuple] | None] | None = None) -> Run:
+            lookahead: Callable[[], Iterator[tuple] | None] | None = None, upstream_pulls: bool = False) -> Run:
         """An iterator over the batch of each task, ``prefetch`` in flight; in task
         order, or in completion order with ``in_order=False``.  ``tagged``: each item
         is ``(worker_id, batch_index, value, failed, side)`` -- the worker that built
@@ -403,6 +409,14 @@ class Engine:
         expects of its next run (an iterator, drawn from without side effects) or
         None; their first ones are dispatched into the depth the run no longer uses,
         and the next run takes them over only if its own first tasks are equal.
+
+        ``upstream_pulls`` (runs in order only): pull ``tasks`` as torch's and Gluon's
+        multi-process iterators pull their batch sampler once a batch was asked for --
+        one more as each batch is handed off, before ``next()`` returns, so that after
+        ``k`` batches ``prefetch + k`` were pulled -- while the depth is ``prefetch``
+        (docs/design.md, "Batches in flight", *When the sampler is pulled*; the first
+        pulls wait for the first ``next()``, as before); an exception the source raises
+        then propagates from that ``next()``.
         """
         with self._lock:
             self._check_usable()
@@ -414,6 +428,7 @@ class Engine:
             run.lookahead = lookahead
             run.staged = self._scheduler.take_staged(in_order, tagged)
             self._current = weakref.ref(run)  # weak: a run keeps its engine alive, not the reverse
+            run.upstream_pulls = upstream_pulls and in_order
             return run
 
     def busy(self) -> bool:

@@ -216,6 +216,11 @@ class LoaderOptions:
     busy_workers : bool
         Keep every worker busy: ``max(prefetch, num_workers)`` batches in flight
         (Chainer's face, where each worker builds whole batches).
+    deep_queue : bool
+        Whether the default ``prefetch`` may rise while batches are small (False:
+        Gluon's ``2 * num_workers`` always, for a batch sampler whose pass leaves
+        state to the next one -- ``last_batch='rollover'``'s carry -- which after a
+        ``break`` depends on how far the pass was pulled).
     stall_timeout : float, "auto" or None
         The watchdog (docs/design.md, "The watchdog"): seconds a worker may work on
         one batch before it is replaced and the batch loaded again; "auto":
@@ -253,6 +258,7 @@ class LoaderOptions:
     maxtasksperchild: int | None = None
     slow_after_s: float | None = None
     busy_workers: bool = False
+    deep_queue: bool = True
     stall_timeout: float | str | None = None
     max_retries: int = 1
     on_error: str = "raise"
@@ -271,7 +277,7 @@ class LoaderOptions:
         num_workers = check_int(n("num_workers"), self.num_workers, minimum=0)
         put(self, "num_workers", num_workers)
         prefetch = self.prefetch
-        auto = prefetch is None and not self.busy_workers and num_workers > 0
+        auto = prefetch is None and self.deep_queue and not self.busy_workers and num_workers > 0
         why = f" (the ring holds at most {MAX_SLOTS} slots and the engine uses {n('prefetch')} + {EXTRA_SLOTS})"
         if prefetch is None:
             # the default is Gluon's 2 * num_workers: a limit it exceeds is num_workers'

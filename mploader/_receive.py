@@ -295,6 +295,7 @@ class Receive:
         staged, self.staged = self.staged, None
         if staged is not None:
             self.stats["staged_dropped"] += len(staged.inflight)
+            staged.inflight.clear()   # (counted: its slots are reclaimed below, its death adds none)
         workers, res.workers = res.workers, []
         stop_workers(workers, CLOSE_GRACE_S if reason == "stop" else 0)
         self.generation += 1

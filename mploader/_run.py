@@ -108,6 +108,9 @@ class Run:
         # fill takes over when they equal its own first tasks (Scheduler._take_over).
         self.lookahead: Callable[[], Iterator[tuple] | None] | None = None
         self.staged: Run | None = None
+        # After each hand-off the source is pulled as torch's and Gluon's iterators pull
+        # their batch sampler (Engine.run's ``upstream_pulls``; Scheduler.pull_ahead).
+        self.upstream_pulls = False
         # The scheduler's meter times next() (its counters restart with the run), and the
         # run's weak reference (self._ref) hands its batches in flight back as stale once
         # it is dropped (Scheduler.adopt).
@@ -167,6 +170,7 @@ class Run:
         Called under the engine's lock."""
         staged, self.staged = self.staged, None
         if staged is not None:
+            self._counts["staged_dropped"] += len(staged.inflight)
             self._scheduler.abandon(staged)
         if self.drained():
             self.done = True

@@ -168,6 +168,28 @@ class Scheduler(Dispatch):
             elif inflight:
                 for t in [t for t in inflight if t.consumed]:
                     inflight.remove(t)
+        if run.upstream_pulls:
+            # The batch is in the hand-off: what the sampler raises here propagates
+            # (recorded in run.source_error) and the next call returns the batch.
+            self.pull_ahead(run)
+
+    def pull_ahead(self, run: Run) -> None:
+        """Pull ``run``'s source until ``depth`` of its items are pulled and not handed
+        off (in flight or pushed back), as torch's and Gluon's multi-process iterators
+        keep ``prefetch`` indices sent beyond the batches returned: called after each
+        hand-off of a run with ``upstream_pulls``, so that the sampler's side effects
+        (the carry of ``last_batch='rollover'``, torch's ``RandomSampler`` drawing its
+        next pass's ``randperm`` at the end of its pass) happen at the same ``next()``
+        as upstream's (docs/design.md, "Batches in flight", *When the sampler is
+        pulled*).  Nothing while the depth is above ``prefetch`` (small batches: the
+        deeper queue, not upstream's anyway, pulls as it dispatches, in bursts).
+        Dispatch stays with :meth:`_fill`.  Raises what the source raises (recorded in
+        ``run.source_error`` by ``_steps.pull``)."""
+        if self.depth > self.engine.prefetch or run.exhausted or run.source_error is not None:
+            return
+        room = self.depth - len(run.inflight) - len(run.pushback)
+        if room > 0:
+            _steps.pull(run, room)
 
     def _consume(self, task: Task, run: Run) -> None:
         """Turn a task whose batch is there into ``run.handoff``: the batch, or the
@@ -307,6 +329,9 @@ class Scheduler(Dispatch):
             if not ahead:
                 return
             staged = Run(self.engine, self, iter(ahead), run.in_order, run.tagged, staged=True)
+            # Its tasks still in it when it dies were neither taken over nor dropped by a
+            # step (the run that took it was collected before its first next()): dropped.
+            weakref.finalize(staged, _count_dropped, self.stats, staged.inflight).atexit = False
             self.staged_after = run._ref
             self.staged = staged
         elif self.staged_after is not run._ref:
@@ -530,6 +555,12 @@ class Scheduler(Dispatch):
             if t.box:
                 held -= 1
         return ready, max(0, held)
+
+
+def _count_dropped(stats: collections.Counter, inflight: collections.deque) -> None:
+    """A staged run died: the tasks it still holds (none when it was taken over or
+    abandoned, which empties it) count as dropped."""
+    stats["staged_dropped"] += len(inflight)
 
 
 def _same_tasks(pulled: Iterable[tuple], staged: Iterable[Task]) -> bool:

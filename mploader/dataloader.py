@@ -190,11 +190,14 @@ class DataLoader:
         check_dataset(dataset, needs_len=batch_sampler is None)
         start_method = check_choice("start_method", start_method, START_METHODS)
         check_callable("batchify_fn", batchify_fn, none_ok=True)
+        # A pass of 'rollover' leaves its last indices to the next one only if it was
+        # pulled to its end: Gluon's depth, so that after a break the carry is Gluon's.
+        carries = (last_batch if batch_sampler is None else getattr(batch_sampler, "last_batch", None)) == "rollover"
         self._options = options = LoaderOptions(
             num_workers=num_workers, prefetch=prefetch, shared_mem=shared_mem, timeout_s=timeout, seed=seed,
-            copy=copy, thread_pool=thread_pool, stall_timeout=stall_timeout, max_retries=max_retries,
-            on_error=on_error, max_bad_fraction=max_bad_fraction, max_bad_samples=max_bad_samples,
-            bad_sample_log=bad_sample_log, arg_names={"timeout_s": "timeout"})
+            copy=copy, thread_pool=thread_pool, deep_queue=not carries, stall_timeout=stall_timeout,
+            max_retries=max_retries, on_error=on_error, max_bad_fraction=max_bad_fraction,
+            max_bad_samples=max_bad_samples, bad_sample_log=bad_sample_log, arg_names={"timeout_s": "timeout"})
         self._shuffler: RandomSampler | None = None
         if batch_sampler is None:
             if batch_size is None:
@@ -262,8 +265,9 @@ class DataLoader:
                 # training loop): this one runs on workers of its own, stopped when it
                 # ends, and the other goes on undisturbed (docs/faces.md, "Gluon").
                 engine = own = self._new_engine()[0]
+            # upstream_pulls: the batch sampler is pulled when Gluon's _MultiWorkerIter pulls it
             gen = engine.run(tasks, lookahead=None if own is not None else
-                             functools.partial(_next_tasks, weakref.ref(self)))
+                             functools.partial(_next_tasks, weakref.ref(self)), upstream_pulls=True)
         elif options.thread_pool and options.num_workers > 0:
             gen = _metrics.MeteredRun(_engine.ThreadRun(self._dataset, self._fetch, tasks, options.num_workers,
                                                         options.in_flight, options.timeout_s),

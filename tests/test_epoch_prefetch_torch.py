@@ -142,3 +142,62 @@ def test_torch_face_after_a_break_as_torch(persistent):
         out.append([b.tolist() for b in loader])
         return out
     assert run(mt.DataLoader, seed=4) == run(torch.utils.data.DataLoader)
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_torch_face_after_a_break_at_every_batch_as_torch(persistent):
+    """A ``break`` after each possible number of batches, then a whole epoch, with a
+    sampler that keeps a generator: after ``k`` batches the face has pulled the
+    sampler as far as torch's iterator (``prefetch_factor * num_workers + k``), so the
+    generator's state after the break, and the next epoch's order, are torch's.
+    Before the fix the engine pulled one fewer: a break after batch ``len - 4 + 1``
+    (7 of 10) left the pass one pull short of its end, where torch's
+    ``RandomSampler`` draws once more, and the next epoch differed from torch's."""
+    def run(cls, taken, **kw):
+        loader = _loader(cls, "generator", num_workers=2, persistent_workers=persistent, **kw)
+        it = iter(loader)
+        out = [[next(it).tolist() for _ in range(taken)]]
+        del it
+        out.append([b.tolist() for b in loader])
+        if cls is mt.DataLoader:
+            loader.close()
+        return out
+    for taken in range(1, 11):
+        assert run(mt.DataLoader, taken, seed=4) == run(torch.utils.data.DataLoader, taken), taken
+
+
+def test_torch_face_pulls_the_sampler_when_torchs_iterator_does():
+    """How many batches torch's multi-process iterator has taken from the batch sampler
+    after ``iter()`` and after each ``next()`` (``prefetch_factor * num_workers`` at
+    ``iter()``, one more per ``next()``): the face's, with an explicit
+    ``prefetch_factor``, are the same after every ``next()``.  At ``iter()`` the face
+    takes none (docs/faces.md: deliberately -- Lightning makes the iterator before it
+    calls the sampler's ``set_epoch``, and a resumed epoch must read its own epoch;
+    ``test_trainer_resume.py``)."""
+    class Counting(torch.utils.data.Sampler):
+        def __init__(self):
+            self.taken = 0
+
+        def __len__(self):
+            return 10
+
+        def __iter__(self):
+            for b in range(10):
+                self.taken += 1
+                yield [4 * b + j for j in range(4)]
+
+    def counts(cls):
+        sampler = Counting()
+        loader = cls(Indexed(), batch_sampler=sampler, num_workers=2, prefetch_factor=2)
+        it = iter(loader)
+        seen = [sampler.taken]
+        for _ in range(8):
+            next(it)
+            seen.append(sampler.taken)
+        del it
+        if cls is mt.DataLoader:
+            loader.close()
+        return seen
+    ours, torchs = counts(mt.DataLoader), counts(torch.utils.data.DataLoader)
+    assert torchs == [4, 5, 6, 7, 8, 9, 10, 10, 10]
+    assert ours == [0] + torchs[1:]
