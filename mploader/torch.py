@@ -777,9 +777,17 @@ class _Dispatch:
             for send_idx, index in pairs:
                 yield (epoch, send_idx, index, None)
             return
-        for send_idx, index in pairs:
+        pairs = iter(pairs)
+        while True:
+            # The limit first: a pull past torch's window (an epoch left early) would
+            # run the sampler further than torch's does (torch's RandomSampler draws
+            # once more at the end of its pass).
             if self.limit is not None and self.yielded >= self.limit:
                 return
+            pair = next(pairs, None)
+            if pair is None:
+                return
+            send_idx, index = pair
             worker = preassigned.pop(send_idx, None) if preassigned else self._pick()
             if worker is None:
                 worker = self._pick()
