@@ -55,7 +55,8 @@ class Loop:
     """One loader driven by a program's steps; each step returns what the user saw."""
 
     def __init__(self, cls, config: str) -> None:
-        torch.manual_seed(0)   # (torch's seeding draws each pass's base seed from the global RNG when no generator is given)
+        # (torch's seeding draws each pass's base seed from the global RNG without a generator)
+        torch.manual_seed(0)
         self.loader, self.sampler = _make(cls, config)
         self.it = None
 
