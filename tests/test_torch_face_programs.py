@@ -33,7 +33,18 @@ class Augmented(torch.utils.data.Dataset):
         return torch.tensor([i, int(torch.randint(0, 1 << 30, ()))])
 
 
-CONFIGS = ("generator", "generator/persistent", "distributed/persistent", "sequential")
+class Stream(torch.utils.data.IterableDataset):
+    """Each worker's replica yields its share ``[i, a draw from its torch RNG]``, i = w, w + 2, ... < N."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start, step = (info.id, info.num_workers) if info is not None else (0, 1)
+        for i in range(start, N, step):
+            yield torch.tensor([i, int(torch.randint(0, 1 << 30, ()))])
+
+
+CONFIGS = ("generator", "generator/persistent", "distributed/persistent", "sequential", "iterable",
+           "iterable/persistent", "drop_last/persistent")
 
 
 def _make(cls, config: str):
@@ -46,6 +57,10 @@ def _make(cls, config: str):
     elif kind == "distributed":
         sampler = torch.utils.data.DistributedSampler(Augmented(), num_replicas=2, rank=1, shuffle=True, seed=3)
         kw.update(batch_size=4, sampler=sampler)
+    elif kind == "iterable":
+        return cls(Stream(), batch_size=3, **kw), None
+    elif kind == "drop_last":
+        kw.update(batch_size=5, shuffle=True, drop_last=True)
     else:
         kw.update(batch_size=4)
     return cls(Augmented(), **kw), sampler
