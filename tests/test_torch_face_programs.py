@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
@@ -47,10 +47,10 @@ CONFIGS = ("generator", "generator/persistent", "distributed/persistent", "seque
            "iterable/persistent", "drop_last/persistent")
 
 
-def _make(cls, config: str):
+def _make(cls, config: str, num_workers: int = 2, **extra):
     """The loader of ``config`` for ``cls`` and the sampler a set_epoch step moves (or None)."""
     kind, _, persistent = config.partition("/")
-    kw = dict(num_workers=2, persistent_workers=bool(persistent))
+    kw = dict(num_workers=num_workers, persistent_workers=bool(persistent) and num_workers > 0, **extra)
     sampler = None
     if kind == "generator":
         kw.update(batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(9))
@@ -69,22 +69,28 @@ def _make(cls, config: str):
 class Loop:
     """One loader driven by a program's steps; each step returns what the user saw."""
 
-    def __init__(self, cls, config: str) -> None:
+    def __init__(self, cls, config: str, num_workers: int = 2, **extra) -> None:
         # (torch's seeding draws each pass's base seed from the global RNG without a generator)
         torch.manual_seed(0)
-        self.loader, self.sampler = _make(cls, config)
+        self.loader, self.sampler = _make(cls, config, num_workers, **extra)
         self.it = None
+
+    #: The loader's newest pass was started and has not ended (left early or not): a
+    #: checkpoint now describes it, and a loader that loads it continues it.
+    under_way = False
 
     def take(self, k: int) -> list:
         out = []
         for _ in range(k):
             if self.it is None:
                 self.it = iter(self.loader)
+                self.under_way = True
             try:
                 out.append(next(self.it).tolist())
             except StopIteration:
                 out.append("end of pass")
                 self.it = None
+                self.under_way = False
         return out
 
     def restart(self) -> list:
@@ -92,10 +98,13 @@ class Loop:
         that is made and dropped unstepped draws nothing from a sampler's generator
         here, where torch's draws a permutation -- docs/faces.md, deliberately)."""
         self.it = iter(self.loader)
+        self.under_way = True
         return self.take(1)
 
     def peek(self) -> list:
         other = iter(self.loader)
+        # (its pass, left after one batch; or the live one's, reset by torch's persistent iterator)
+        self.under_way = True
         try:
             return [next(other).tolist()]
         except StopIteration:
@@ -139,3 +148,59 @@ def test_random_programs_give_torchs_batches(config, program):
         ours.close()
         if torchs is not None:
             torchs.close()
+
+
+
+CHECKPOINT_CONFIGS = ("generator", "generator/persistent", "distributed/persistent", "sequential")
+
+
+@settings(max_examples=int(os.environ.get("MPLOADER_PROGRAMS", "12")), deadline=None)
+@given(config=st.sampled_from(CHECKPOINT_CONFIGS), program=st.lists(STEPS, min_size=1, max_size=12),
+       at=st.integers(0, 12), workers=st.sampled_from([0, 1, 2]))
+def test_random_programs_resume_from_a_checkpoint_as_uninterrupted(config, program, at, workers):
+    """A checkpoint taken between any two steps (``state_dict()``, an iterator live or
+    not), loaded into a new loader with 0, 1 or 2 workers that runs the rest of the
+    program: every batch after it, augmentations included (``seed=``), is the
+    uninterrupted loader's (docs/faces.md, PyTorch, *Checkpoints*).  The sampler's
+    epoch is the user's to restore (``set_epoch``, as Lightning does); a loader with
+    persistent workers resumes into one with workers (without, torch's iterators
+    draw from a ``generator`` at other times), and into another worker count only
+    where no pass is left early (torch's iterators with other counts pull such a pass
+    to other points, and a ``RandomSampler`` draws from its generator at a pass's
+    end)."""
+    if workers != 2:
+        # Another worker count pulls a pass left early less far, and a generator's
+        # draw at the end of a pass with it: torch's later epochs differ the same way.
+        program = [s for s in program if s[0] not in ("restart", "peek")] or [("take", 1)]
+    at = min(at, len(program))
+    if workers == 0 and config.endswith("/persistent"):
+        # (torch draws the base seed from a generator once with persistent workers, at every iter() without)
+        workers = 1
+    whole, rest = Loop(mt.DataLoader, config, seed=4), None
+    try:
+        seen, state, live = [], None, False
+        for i, step in enumerate(program):
+            if i == at:
+                state, live = whole.loader.state_dict(), whole.under_way
+                assume(not live or (whole.it is not None and program[at][0] == "take"))
+            seen.append(whole.step(step))
+        if state is None:
+            state, live = whole.loader.state_dict(), whole.under_way
+        # A pass saved under way is continued by the resumed loader's first iter(), as
+        # torchdata's: where the program left that pass (a break, a peek's pass) and
+        # started another, the two runs part by design; so the programs here go on
+        # with the pass under way (a batch of it taken) or saved none.
+        whole.close()
+        rest = Loop(mt.DataLoader, config, workers, seed=4)
+        epochs = [s[1] for s in program[:at] if s[0] == "set_epoch"]
+        if epochs and rest.sampler is not None:
+            rest.sampler.set_epoch(epochs[-1])
+        rest.loader.load_state_dict(state)
+        if live:
+            rest.it = iter(rest.loader)
+        for i in range(at, len(program)):
+            assert rest.step(program[i]) == seen[i], f"step {i} {program[i]} of {program}, saved before step {at}"
+    finally:
+        whole.close()
+        if rest is not None:
+            rest.close()
