@@ -1,0 +1,167 @@
+"""mploader.MultiprocessIterator under random programs of steps -- ``next()``, ``reset()``,
+a snapshot through ``serialize`` into a new iterator with another ``n_processes`` --
+against a reference written from Chainer 7.8.1's source
+(``chainer/iterators/_statemachine.py``'s ``iterator_statemachine`` and
+``MultiprocessIterator``'s properties), step by step: every batch, ``epoch``,
+``is_new_epoch``, ``epoch_detail``, ``previous_epoch_detail`` and ``current_position``.
+Hypothesis draws the programs (a fixed seed in the suite's default profile;
+``MPLOADER_HYPOTHESIS=explore MPLOADER_PROGRAMS=300`` explores more).
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mploader import MultiprocessIterator
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Shuffle:
+    """An order sampler: a permutation from its own NumPy RandomState, as Chainer's
+    ``ShuffleOrderSampler`` (two with the same seed give the same orders)."""
+
+    def __init__(self, seed: int) -> None:
+        self.random = np.random.RandomState(seed)
+
+    def __call__(self, order: np.ndarray, position: int) -> np.ndarray:
+        return self.random.permutation(len(order))
+
+
+class Reference:
+    """Chainer 7.8.1's iterator state machine, written from its source: a batch takes
+    ``batch_size`` indices from the current position; at the end of the order the
+    epoch advances, ``is_new_epoch`` is set, the position returns to 0 and the order
+    sampler gives the next order (``order_sampler(order, 0)``), and with ``repeat``
+    the batch goes on in it; without ``repeat`` the batch ends there and later calls
+    raise StopIteration.  ``previous_epoch_detail`` is ``epoch_detail`` before the
+    last ``next()`` (None before the first)."""
+
+    def __init__(self, n: int, batch_size: int, repeat: bool, seed: int) -> None:
+        self.n, self.batch_size, self.repeat = n, batch_size, repeat
+        self.order_sampler = Shuffle(seed)
+        self.reset()
+
+    def reset(self) -> None:
+        self.position, self.epoch, self.is_new_epoch = 0, 0, False
+        self.order = self.order_sampler(np.arange(self.n), 0)
+        self.previous = -1.0
+
+    @property
+    def epoch_detail(self) -> float:
+        return self.epoch + self.position / len(self.order)
+
+    def next(self) -> list:
+        if not self.repeat and self.epoch > 0:
+            raise StopIteration
+        self.previous = self.epoch_detail
+        i, epoch, order, left = self.position, self.epoch, self.order, self.batch_size
+        taken = []
+        self.is_new_epoch = False
+        while left > 0:
+            k = min(left, len(order) - i)
+            taken += [int(x) for x in order[i:i + k]]
+            left -= k
+            i += k
+            if i == len(order):
+                epoch += 1
+                self.is_new_epoch = True
+                i = 0
+                if not self.repeat:
+                    break
+                new = self.order_sampler(order, i)
+                assert len(new) == len(order)
+                order = new
+        self.position, self.epoch, self.order = i, epoch, order
+        return taken
+
+
+def _view(it) -> tuple:
+    """What a user reads of an iterator's progress."""
+    previous = it.previous_epoch_detail
+    return (it.epoch, it.is_new_epoch, round(it.epoch_detail, 9), None if previous is None else round(previous, 9),
+            it.current_position)
+
+
+def _ref_view(ref: Reference) -> tuple:
+    return (ref.epoch, ref.is_new_epoch, round(ref.epoch_detail, 9), None if ref.previous < 0 else round(ref.previous, 9),
+            ref.position)
+
+
+class DictSerializer:
+    """Chainer's ``DictionarySerializer`` protocol (store, return the value)."""
+
+    def __init__(self) -> None:
+        self.target: dict = {}
+
+    def __call__(self, key, value):
+        self.target[key] = np.array(value) if isinstance(value, np.ndarray) else value
+        return value
+
+
+class DictDeserializer:
+    """Chainer's ``NpzDeserializer`` protocol (arrays copied in place, scalars converted)."""
+
+    def __init__(self, target: dict) -> None:
+        self.target = target
+
+    def __call__(self, key, value):
+        stored = self.target[key]
+        if value is None:
+            return stored
+        if isinstance(value, np.ndarray):
+            np.copyto(value, stored)
+            return value
+        return type(value)(np.asarray(stored))
+
+
+STEPS = st.one_of(st.tuples(st.just("next"), st.integers(1, 6)), st.tuples(st.just("next"), st.integers(1, 6)),
+                  st.tuples(st.just("reset")), st.tuples(st.just("snapshot"), st.sampled_from([0, 1, 2])))
+
+
+@settings(max_examples=int(os.environ.get("MPLOADER_PROGRAMS", "15")), deadline=None)
+@given(n=st.sampled_from([5, 12]), batch_size=st.integers(1, 7), repeat=st.booleans(),
+       procs=st.sampled_from([0, 1, 2]), program=st.lists(STEPS, min_size=1, max_size=10))
+def test_random_programs_follow_chainers_state_machine(n, batch_size, repeat, procs, program):
+    ref = Reference(n, batch_size, repeat, seed=3)
+    it = MultiprocessIterator(list(range(n)), batch_size, repeat=repeat, n_processes=procs,
+                              order_sampler=Shuffle(3), dataset_timeout=None)
+    try:
+        assert _view(it) == _ref_view(ref)
+        for i, step in enumerate(program):
+            where = f"step {i} {step} of {program}"
+            if step[0] == "next":
+                for _ in range(step[1]):
+                    try:
+                        want = ref.next()
+                    except StopIteration:
+                        with pytest.raises(StopIteration):
+                            next(it)
+                        continue
+                    assert list(next(it)) == want, where
+                    assert _view(it) == _ref_view(ref), where
+            elif step[0] == "reset":
+                # The iterator's planner calls its order sampler ahead of the caller (as
+                # Chainer's prefetch thread does): the reference's sampler goes on from
+                # where the iterator's stands, and both draw the new order.
+                ref.order_sampler.random = copy.deepcopy(it.order_sampler.random)
+                ref.reset()
+                it.reset()
+            else:
+                saved = DictSerializer()
+                it.serialize(saved)
+                it.finalize()
+                # A new iterator (another process count) restored from the snapshot; the
+                # order sampler's own state is the user's to restore, as in Chainer.
+                it = MultiprocessIterator(list(range(n)), batch_size, repeat=repeat, n_processes=step[1],
+                                          order_sampler=Shuffle(0), dataset_timeout=None)
+                it.order_sampler.random = copy.deepcopy(ref.order_sampler.random)
+                it.serialize(DictDeserializer(saved.target))
+            assert _view(it) == _ref_view(ref), where
+    finally:
+        it.finalize()
