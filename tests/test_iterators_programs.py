@@ -40,16 +40,16 @@ class Reference:
     sampler gives the next order (``order_sampler(order, 0)``), and with ``repeat``
     the batch goes on in it; without ``repeat`` the batch ends there and later calls
     raise StopIteration.  ``previous_epoch_detail`` is ``epoch_detail`` before the
-    last ``next()`` (None before the first)."""
+    last ``next()``, one that raised StopIteration included (None before the first)."""
 
-    def __init__(self, n: int, batch_size: int, repeat: bool, seed: int) -> None:
+    def __init__(self, n: int, batch_size: int, repeat: bool, seed: int | None) -> None:
         self.n, self.batch_size, self.repeat = n, batch_size, repeat
-        self.order_sampler = Shuffle(seed)
+        self.order_sampler = Shuffle(seed) if seed is not None else None   # None: shuffle=False, no order
         self.reset()
 
     def reset(self) -> None:
         self.position, self.epoch, self.is_new_epoch = 0, 0, False
-        self.order = self.order_sampler(np.arange(self.n), 0)
+        self.order = self.order_sampler(np.arange(self.n), 0) if self.order_sampler else np.arange(self.n)
         self.previous = -1.0
 
     @property
@@ -57,9 +57,9 @@ class Reference:
         return self.epoch + self.position / len(self.order)
 
     def next(self) -> list:
+        self.previous = self.epoch_detail   # (before the end's StopIteration too, as Chainer's __next__)
         if not self.repeat and self.epoch > 0:
             raise StopIteration
-        self.previous = self.epoch_detail
         i, epoch, order, left = self.position, self.epoch, self.order, self.batch_size
         taken = []
         self.is_new_epoch = False
@@ -74,9 +74,10 @@ class Reference:
                 i = 0
                 if not self.repeat:
                     break
-                new = self.order_sampler(order, i)
-                assert len(new) == len(order)
-                order = new
+                if self.order_sampler is not None:
+                    new = self.order_sampler(order, i)
+                    assert len(new) == len(order)
+                    order = new
         self.position, self.epoch, self.order = i, epoch, order
         return taken
 
@@ -125,12 +126,17 @@ STEPS = st.one_of(st.tuples(st.just("next"), st.integers(1, 6)), st.tuples(st.ju
 
 
 @settings(max_examples=int(os.environ.get("MPLOADER_PROGRAMS", "15")), deadline=None)
-@given(n=st.sampled_from([5, 12]), batch_size=st.integers(1, 7), repeat=st.booleans(),
-       procs=st.sampled_from([0, 1, 2]), program=st.lists(STEPS, min_size=1, max_size=10))
-def test_random_programs_follow_chainers_state_machine(n, batch_size, repeat, procs, program):
-    ref = Reference(n, batch_size, repeat, seed=3)
-    it = MultiprocessIterator(list(range(n)), batch_size, repeat=repeat, n_processes=procs,
-                              order_sampler=Shuffle(3), dataset_timeout=None)
+@given(n=st.sampled_from([5, 12]), batch_size=st.integers(1, 7), repeat=st.booleans(), shuffle=st.booleans(),
+       procs=st.sampled_from([0, 1, 2]), n_prefetch=st.sampled_from([1, 3]),
+       program=st.lists(STEPS, min_size=1, max_size=10))
+def test_random_programs_follow_chainers_state_machine(n, batch_size, repeat, shuffle, procs, n_prefetch, program):
+    ref = Reference(n, batch_size, repeat, seed=3 if shuffle else None)
+
+    def make(n_processes, sampler):
+        order = dict(order_sampler=sampler) if shuffle else dict(shuffle=False)
+        return MultiprocessIterator(list(range(n)), batch_size, repeat=repeat, n_processes=n_processes,
+                                    n_prefetch=n_prefetch, dataset_timeout=None, **order)
+    it = make(procs, Shuffle(3))
     try:
         assert _view(it) == _ref_view(ref)
         for i, step in enumerate(program):
@@ -149,7 +155,8 @@ def test_random_programs_follow_chainers_state_machine(n, batch_size, repeat, pr
                 # The iterator's planner calls its order sampler ahead of the caller (as
                 # Chainer's prefetch thread does): the reference's sampler goes on from
                 # where the iterator's stands, and both draw the new order.
-                ref.order_sampler.random = copy.deepcopy(it.order_sampler.random)
+                if shuffle:
+                    ref.order_sampler.random = copy.deepcopy(it.order_sampler.random)
                 ref.reset()
                 it.reset()
             else:
@@ -158,9 +165,9 @@ def test_random_programs_follow_chainers_state_machine(n, batch_size, repeat, pr
                 it.finalize()
                 # A new iterator (another process count) restored from the snapshot; the
                 # order sampler's own state is the user's to restore, as in Chainer.
-                it = MultiprocessIterator(list(range(n)), batch_size, repeat=repeat, n_processes=step[1],
-                                          order_sampler=Shuffle(0), dataset_timeout=None)
-                it.order_sampler.random = copy.deepcopy(ref.order_sampler.random)
+                it = make(step[1], Shuffle(0))
+                if shuffle:
+                    it.order_sampler.random = copy.deepcopy(ref.order_sampler.random)
                 it.serialize(DictDeserializer(saved.target))
             assert _view(it) == _ref_view(ref), where
     finally:
