@@ -90,8 +90,8 @@ def _view(it) -> tuple:
 
 
 def _ref_view(ref: Reference) -> tuple:
-    return (ref.epoch, ref.is_new_epoch, round(ref.epoch_detail, 9), None if ref.previous < 0 else round(ref.previous, 9),
-            ref.position)
+    previous = None if ref.previous < 0 else round(ref.previous, 9)
+    return ref.epoch, ref.is_new_epoch, round(ref.epoch_detail, 9), previous, ref.position
 
 
 class DictSerializer:
