@@ -58,3 +58,86 @@ def mxnet_default_batchify_fn(data):
     if data.dtype.type not in MX_DTYPES:
         raise KeyError(f"nd.array cannot hold {data.dtype}")
     return np.array(data, dtype=data.dtype)
+
+
+class DictSerializer:
+    """Chainer's DictionarySerializer protocol: store the value, return it."""
+
+    def __init__(self):
+        self.target = {}
+
+    def __call__(self, key, value):
+        self.target[key] = np.array(value) if isinstance(value, np.ndarray) else value
+        return value
+
+
+class DictDeserializer:
+    """Chainer's NpzDeserializer protocol: KeyError for a missing key; arrays are copied
+    into ``value`` in place; a scalar comes back converted to the type of ``value``."""
+
+    def __init__(self, target):
+        self.target = target
+
+    def __call__(self, key, value):
+        if key not in self.target:
+            raise KeyError(key)
+        stored = self.target[key]
+        if value is None:
+            return stored
+        if isinstance(value, np.ndarray):
+            np.copyto(value, stored)
+            return value
+        return type(value)(np.asarray(stored))
+
+
+class ProgramLoop:
+    """The steps of a random program (``tests/test_*_programs.py``) on one loader
+    (``self.loader``; ``self.sampler``: the sampler a ``set_epoch`` step moves, or
+    None), each returning what the user saw: ``take`` (batches as lists, "end of
+    pass" where a pass ended), ``peek`` (a second iterator's first batch, dropped),
+    ``set_epoch``."""
+
+    loader = None
+    sampler = None
+    it = None
+
+    def take(self, k: int) -> list:
+        out = []
+        for _ in range(k):
+            if self.it is None:
+                self.it = iter(self.loader)
+                self.started()
+            try:
+                out.append(next(self.it).tolist())
+            except StopIteration:
+                out.append("end of pass")
+                self.it = None
+                self.ended()
+        return out
+
+    def started(self) -> None:
+        """(A pass began: for subclasses that follow it.)"""
+
+    def ended(self) -> None:
+        """(A pass ended.)"""
+
+    def peek(self) -> list:
+        """A second pass while this one goes on (a validation peek): its first batch, as
+        :meth:`take` returns batches."""
+        other = iter(self.loader)
+        self.started()
+        try:
+            return [next(other).tolist()]
+        except StopIteration:
+            return ["end of pass"]
+        finally:
+            del other
+
+    def set_epoch(self, epoch: int) -> str:
+        if self.sampler is None:
+            return "no sampler"
+        self.sampler.set_epoch(epoch)
+        return f"epoch {epoch}"
+
+    def step(self, step: tuple):
+        return getattr(self, step[0])(*step[1:])

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
+from _util import ProgramLoop
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -56,7 +57,7 @@ def _make(config: str, num_workers: int) -> tuple[mploader.DataLoader, object]:
     return mploader.DataLoader(Augmented(), num_workers=num_workers, seed=11, **kw), sampler
 
 
-class Loop:
+class Loop(ProgramLoop):
     """One loader driven by a program's steps; each step returns what the user saw."""
 
     def __init__(self, config: str, num_workers: int) -> None:
@@ -64,32 +65,9 @@ class Loop:
         self.it = None
         self.saved = None
 
-    def take(self, k: int) -> list:
-        out = []
-        for _ in range(k):
-            if self.it is None:
-                self.it = iter(self.loader)
-            try:
-                out.append(next(self.it).tolist())
-            except StopIteration:
-                out.append("end of pass")
-                self.it = None
-        return out
-
     def restart(self) -> str:
         self.it = iter(self.loader)   # the previous pass, broken off, is dropped
         return "restarted"
-
-    def peek(self) -> list:
-        """A second pass while this one goes on (a validation peek): its first batch
-        (a list of one, as :meth:`take` returns batches)."""
-        other = iter(self.loader)
-        try:
-            return [next(other).tolist()]
-        except StopIteration:
-            return ["end of pass"]
-        finally:
-            del other
 
     def save(self) -> dict:
         """The checkpoint, less what tells the loaders apart: ``num_workers``, and what
@@ -110,15 +88,6 @@ class Loop:
         self.loader.load_state_dict(state)
         self.it = None
         return "loaded"
-
-    def set_epoch(self, epoch: int) -> str:
-        if self.sampler is None:
-            return "no sampler"
-        self.sampler.set_epoch(epoch)
-        return f"epoch {epoch}"
-
-    def step(self, step: tuple):
-        return getattr(self, step[0])(*step[1:])
 
 
 class GluonPulls(Loop):

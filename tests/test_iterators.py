@@ -19,7 +19,7 @@ import warnings
 
 import numpy as np
 import pytest
-from _util import arrays_in, lease_of
+from _util import DictDeserializer, DictSerializer, arrays_in, lease_of
 
 import mploader
 from mploader import MultiprocessIterator, ShuffleOrderSampler
@@ -99,36 +99,6 @@ class Roll:
 
     def __call__(self, order, position):
         return np.roll(order, 1)
-
-
-class DictSerializer:
-    """Chainer's DictionarySerializer protocol: store the value, return it."""
-
-    def __init__(self):
-        self.target = {}
-
-    def __call__(self, key, value):
-        self.target[key] = np.array(value) if isinstance(value, np.ndarray) else value
-        return value
-
-
-class DictDeserializer:
-    """Chainer's NpzDeserializer protocol: KeyError for a missing key; arrays are copied
-    into ``value`` in place; a scalar comes back converted to the type of ``value``."""
-
-    def __init__(self, target):
-        self.target = target
-
-    def __call__(self, key, value):
-        if key not in self.target:
-            raise KeyError(key)
-        stored = self.target[key]
-        if value is None:
-            return stored
-        if isinstance(value, np.ndarray):
-            np.copyto(value, stored)
-            return value
-        return type(value)(np.asarray(stored))
 
 
 @pytest.fixture(params=PROCS, ids=lambda n: f"procs{n}")

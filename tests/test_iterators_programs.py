@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 import pytest
+from _util import DictDeserializer, DictSerializer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -92,33 +93,6 @@ def _view(it) -> tuple:
 def _ref_view(ref: Reference) -> tuple:
     previous = None if ref.previous < 0 else round(ref.previous, 9)
     return ref.epoch, ref.is_new_epoch, round(ref.epoch_detail, 9), previous, ref.position
-
-
-class DictSerializer:
-    """Chainer's ``DictionarySerializer`` protocol (store, return the value)."""
-
-    def __init__(self) -> None:
-        self.target: dict = {}
-
-    def __call__(self, key, value):
-        self.target[key] = np.array(value) if isinstance(value, np.ndarray) else value
-        return value
-
-
-class DictDeserializer:
-    """Chainer's ``NpzDeserializer`` protocol (arrays copied in place, scalars converted)."""
-
-    def __init__(self, target: dict) -> None:
-        self.target = target
-
-    def __call__(self, key, value):
-        stored = self.target[key]
-        if value is None:
-            return stored
-        if isinstance(value, np.ndarray):
-            np.copyto(value, stored)
-            return value
-        return type(value)(np.asarray(stored))
 
 
 STEPS = st.one_of(st.tuples(st.just("next"), st.integers(1, 6)), st.tuples(st.just("next"), st.integers(1, 6)),

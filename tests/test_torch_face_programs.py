@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from _util import ProgramLoop
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
@@ -66,7 +67,7 @@ def _make(cls, config: str, num_workers: int = 2, **extra):
     return cls(Augmented(), **kw), sampler
 
 
-class Loop:
+class Loop(ProgramLoop):
     """One loader driven by a program's steps; each step returns what the user saw."""
 
     def __init__(self, cls, config: str, num_workers: int = 2, **extra) -> None:
@@ -79,47 +80,20 @@ class Loop:
     #: checkpoint now describes it, and a loader that loads it continues it.
     under_way = False
 
-    def take(self, k: int) -> list:
-        out = []
-        for _ in range(k):
-            if self.it is None:
-                self.it = iter(self.loader)
-                self.under_way = True
-            try:
-                out.append(next(self.it).tolist())
-            except StopIteration:
-                out.append("end of pass")
-                self.it = None
-                self.under_way = False
-        return out
+    def started(self) -> None:
+        # (a peek's pass, left after one batch; or the live one's, reset by torch's persistent iterator)
+        self.under_way = True
+
+    def ended(self) -> None:
+        self.under_way = False
 
     def restart(self) -> list:
         """Break, and take the new pass's first batch (every iterator is stepped: one
         that is made and dropped unstepped draws nothing from a sampler's generator
         here, where torch's draws a permutation -- docs/faces.md, deliberately)."""
         self.it = iter(self.loader)
-        self.under_way = True
+        self.started()
         return self.take(1)
-
-    def peek(self) -> list:
-        other = iter(self.loader)
-        # (its pass, left after one batch; or the live one's, reset by torch's persistent iterator)
-        self.under_way = True
-        try:
-            return [next(other).tolist()]
-        except StopIteration:
-            return ["end of pass"]
-        finally:
-            del other
-
-    def set_epoch(self, epoch: int) -> str:
-        if self.sampler is None:
-            return "no sampler"
-        self.sampler.set_epoch(epoch)
-        return f"epoch {epoch}"
-
-    def step(self, step: tuple):
-        return getattr(self, step[0])(*step[1:])
 
     def close(self) -> None:
         self.it = None
