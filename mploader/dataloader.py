@@ -265,7 +265,8 @@ class DataLoader:
                 # training loop): this one runs on workers of its own, stopped when it
                 # ends, and the other goes on undisturbed (docs/faces.md, "Gluon").
                 engine = own = self._new_engine()[0]
-            # upstream_pulls: the batch sampler is pulled when Gluon's _MultiWorkerIter pulls it
+            # upstream_pulls: after each next(), the batch sampler is pulled as far as
+            # Gluon's _MultiWorkerIter pulls it (the first pulls wait for the first next())
             gen = engine.run(tasks, lookahead=None if own is not None else
                              functools.partial(_next_tasks, weakref.ref(self)), upstream_pulls=True)
         elif options.thread_pool and options.num_workers > 0:

@@ -529,8 +529,9 @@ class _RingIter(_BaseDataLoaderIter):
         ahead = (functools.partial(_next_tasks, weakref.ref(loader))
                  if self._persistent_workers and loader.seed is not None and self._in_order
                  and not self._is_iterable and not self._own_engine else None)
-        # upstream_pulls: the sampler is pulled when torch's iterator pulls it (at iter(),
-        # and before next() returns); in completion order and for IterableDatasets the
+        # upstream_pulls: after each next(), the sampler is pulled as far as torch's
+        # iterator pulls it, before next() returns (the first pulls wait for the first
+        # next(): docs/faces.md); in completion order and for IterableDatasets the
         # round robin needs the result settled first (_Dispatch), so the fill pulls.
         self._run = engine.run(self._dispatch.tasks(self._epoch, self._mpl_pos.pairs, self._is_iterable),
                                in_order=self._in_order, tagged=True, lookahead=ahead,
