@@ -8,7 +8,7 @@ Gluon's multi-process iterator written from MXNet's source (:class:`GluonPulls`)
 Every batch, every end of a pass and every checkpoint must agree (docs/design.md,
 "No gap between epochs" and "Batches in flight", *When the sampler is pulled*).
 Hypothesis draws the programs (a fixed seed in the suite's default profile;
-``MPLOADER_HYPOTHESIS=explore MPLOADER_PROGRAMS=500`` explores more).
+``MPLOADER_HYPOTHESIS=explore MPLOADER_PROGRAMS=500`` explores more, with ``-o timeout=0``).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ against a reference written from Chainer 7.8.1's source
 ``MultiprocessIterator``'s properties), step by step: every batch, ``epoch``,
 ``is_new_epoch``, ``epoch_detail``, ``previous_epoch_detail`` and ``current_position``.
 Hypothesis draws the programs (a fixed seed in the suite's default profile;
-``MPLOADER_HYPOTHESIS=explore MPLOADER_PROGRAMS=300`` explores more).
+``MPLOADER_HYPOTHESIS=explore MPLOADER_PROGRAMS=300`` explores more, with ``-o timeout=0``).
 """
 from __future__ import annotations
 
@@ -19,8 +19,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mploader import MultiprocessIterator
-
-pytestmark = pytest.mark.timeout(120)
 
 
 class Shuffle:

@@ -6,7 +6,7 @@ arguments (2 workers, torch's seeding: each batch's augmentation is drawn from i
 worker's torch RNG).  Every batch and every end of a pass must be torch's: which
 samples, in which order, with which draws (docs/faces.md, PyTorch).  Hypothesis draws
 the programs (a fixed seed in the suite's default profile;
-``MPLOADER_HYPOTHESIS=explore MPLOADER_PROGRAMS=300`` explores more).
+``MPLOADER_HYPOTHESIS=explore MPLOADER_PROGRAMS=300`` explores more, with ``-o timeout=0``).
 """
 from __future__ import annotations
 
