@@ -59,6 +59,8 @@ class Dispatch(Receive):
         engine = self.engine
         if self.outbox:
             self._send_pending()
+        if run.staged is not None:
+            return   # staged tasks are being taken over: they are the next in order (Scheduler._take_over)
         pushback = run.pushback
         depth = self.depth
         if depth > engine.prefetch and len(run.inflight) > depth // 2:

@@ -108,6 +108,7 @@ class Run:
         # fill takes over when they equal its own first tasks (Scheduler._take_over).
         self.lookahead: Callable[[], Iterator[tuple] | None] | None = None
         self.staged: Run | None = None
+        self.whole = False   # (a staged run) its tasks are the whole predicted pass
         # After each hand-off the source is pulled as torch's and Gluon's iterators pull
         # their batch sampler (Engine.run's ``upstream_pulls``; Scheduler.pull_ahead).
         self.upstream_pulls = False

@@ -133,15 +133,18 @@ class Scheduler(Dispatch):
         if self.memory.outliers:
             self.memory.trim_outliers()
         try:
-            took_over = run.staged is not None
-            if took_over:   # the run's first fill: the tasks dispatched ahead for it
+            first = run.staged is not None and not run.inflight   # (the call that begins the take-over)
+            if run.staged is not None:   # the run's first calls: the tasks dispatched ahead for it
                 self._take_over(run)
             self._fill(run)
-            # Not in the call that took staged tasks over: the next call stages, so the
+            # Not in the call that begins a take-over: the next call stages, so the
             # epoch's first batch does not wait for the following epoch's prediction and
-            # dispatch (they queue behind this epoch's tasks either way).
-            if (run.exhausted and STAGE_NEXT_EPOCH and not took_over
-                    and (run.lookahead is not None or self.staged is not None)):
+            # dispatch (they queue behind this epoch's tasks either way).  Once every task
+            # left of the pass is staged for this run (``Run.whole``), as soon as the
+            # source is exhausted: the workers never run dry while the run compares.
+            if (STAGE_NEXT_EPOCH and not first and (run.lookahead is not None or self.staged is not None)
+                    and (run.exhausted or (run.staged is not None and run.staged.whole
+                                           and not run.staged.pushback))):
                 self._stage(run)
             if not inflight:
                 if run.source_error is not None:
@@ -159,6 +162,10 @@ class Scheduler(Dispatch):
         except (WorkerError, TimeoutError, _bad_samples.BadSampleBudgetError):
             run.inflight.clear()
             run.done = True
+            staged, run.staged = run.staged, None
+            if staged is not None:   # (its tasks go with the workers: their slots are reclaimed by the reset)
+                self.stats["staged_dropped"] += len(staged.inflight)
+                staged.inflight.clear()
             self.reset("failure")
             raise
         finally:
@@ -185,6 +192,9 @@ class Scheduler(Dispatch):
         deeper queue, not upstream's anyway, pulls as it dispatches, in bursts).
         Dispatch stays with :meth:`_fill`.  Raises what the source raises (recorded in
         ``run.source_error`` by ``_steps.pull``)."""
+        if run.staged is not None:   # taking staged tasks over: the step pulls as upstream's
+            self._take_over(run)
+            return
         if self.depth > self.engine.prefetch or run.exhausted or run.source_error is not None:
             return
         room = self.depth - len(run.inflight) - len(run.pushback)
@@ -305,8 +315,10 @@ class Scheduler(Dispatch):
     # ---- no gap between epochs ----
 
     def _stage(self, run: Run) -> None:
-        """``run``'s source is exhausted: dispatch the next epoch's first tasks, as its
-        face predicts them (``run.lookahead``), into the depth the run no longer uses --
+        """``run``'s source is exhausted, or what is left of its pass is all staged for it
+        and being taken over (the whole predicted pass: ``Run.whole``): dispatch the next
+        epoch's first tasks, as its face predicts them (``run.lookahead``), into the
+        depth the run no longer uses (its tasks and those staged for it counted) --
         only where a worker runs and a slot is FREE now (``_dispatch_ready``: no wait, no
         worker started, never the pipe).  They belong to a run of their own
         (``self.staged``, never iterated), which the next run takes over if its own
@@ -329,6 +341,7 @@ class Scheduler(Dispatch):
             if not ahead:
                 return
             staged = Run(self.engine, self, iter(ahead), run.in_order, run.tagged, staged=True)
+            staged.whole = len(ahead) < max(self.depth, self.auto_max)   # the whole predicted pass
             # Its tasks still in it when it dies were neither taken over nor dropped by a
             # step (the run that took it was collected before its first next()): dropped.
             weakref.finalize(staged, _count_dropped, self.stats, staged.inflight).atexit = False
@@ -336,7 +349,8 @@ class Scheduler(Dispatch):
             self.staged = staged
         elif self.staged_after is not run._ref:
             return   # staged for another run's successor: left as it is until the next run
-        room = self.depth - len(run.inflight) - len(staged.inflight)
+        room = self.depth - len(run.inflight) - len(staged.inflight) - (
+            len(run.staged.inflight) if run.staged is not None else 0)
         room = min(room, self.memory.stage_room(_memory.budget_bytes()) - len(staged.inflight))
         if room <= 0 or staged.exhausted or staged.source_error is not None:
             return
@@ -376,45 +390,72 @@ class Scheduler(Dispatch):
         return [t.slot for t in staged.inflight if t.slot >= 0] if staged is not None else []
 
     def _take_over(self, run: Run) -> None:
-        """``run``'s first fill, with tasks staged for it (``run.staged``): they are
-        compared with ``run``'s own first tasks (pulled now into ``run.pushback``, as
-        many as the fill would pull), and when every one is equal -- same epoch, batch index,
-        indices and worker -- they become ``run``'s in one step (``_steps.adopt``).
-        Otherwise none is: the staged run is abandoned (its batches stale, their slots
-        freed as they complete, the workers skip those not begun) and ``run`` dispatches
-        its own tasks as usual.  So a run never gets a batch other than the one its own
-        task asks for, nor out of its order.  Repeated harmlessly after an interrupt."""
+        """A step of ``run``'s take-over of the tasks staged for it (``run.staged``),
+        at each of its calls while some are left: ``run`` pulls its own tasks as its
+        upstream pulls them (``prefetch`` pulled and not handed off, at most the depth;
+        at most ``pulled - handed off`` more after each hand-off: :meth:`pull_ahead`),
+        and the staged tasks equal to the pulled ones -- same epoch, batch index,
+        indices and worker, in order -- become ``run``'s in one step
+        (``_steps.adopt``); the others wait for the pulls that follow.  The first
+        difference, or the end of ``run``'s source, drops every staged task left: they
+        are abandoned (their batches stale, their slots freed as they complete; the
+        workers' cancel word only while none of ``run``'s tasks is in flight, as it
+        covers every seq below it) and ``run`` dispatches its own tasks as usual.  So a
+        run never gets a batch other than the one its own task asks for, nor out of
+        its order.  While staged tasks are left, ``_fill`` dispatches nothing (they are
+        the next in order).  Repeated harmlessly after an interrupt."""
         staged = run.staged
         assert staged is not None
         tasks = staged.inflight
-        k = len(tasks)
+        # As many as upstream's iterator keeps pulled and not handed off: a sampler's
+        # side effects follow its pulls (torch's RandomSampler draws once more at the
+        # end of its pass), so at upstream's depth the pulls are the same with the
+        # staging or without; in a deeper queue they are upstream's, not a burst of the
+        # whole depth at the epoch's first next() (docs/design.md, "No gap between epochs").
+        want = min(self.depth, self.engine.prefetch) - len(run.inflight) - len(run.pushback)
+        if want <= 0 and not run.pushback and tasks:
+            return   # nothing to pull or compare now
+        ended = run.exhausted or run.source_error is not None
+        if want > 0 and not ended and tasks:
+            try:
+                ended = _steps.pull(run, want) < want
+            except BaseException:
+                # The sampler raised (a Ctrl-C in it): this pass cannot go on, and its
+                # exception's traceback may keep the run alive -- the staged tasks must
+                # not stay with it, holding their slots.
+                run.staged = None
+                self._drop_staged_for(run, staged)
+                raise
+        m = min(len(run.pushback), len(tasks))
+        if m == 0 and not ended and tasks:
+            return   # nothing pulled to compare yet: a later step
         generation = self.generation
-        same = k > 0 and all(t.generation == generation and not t.stale and not t.consumed for t in tasks)
-        if same:
-            # As many as the first fill pulls without staging (the depth): a sampler's
-            # side effects follow its pulls (torch's RandomSampler draws once more at the
-            # end of its pass), so the pulls are the same with the staging or without.
-            missing = max(k, self.depth - len(run.inflight)) - len(run.pushback)
-            if missing > 0 and not run.exhausted and run.source_error is None:
-                try:
-                    _steps.pull(run, missing)
-                except BaseException:
-                    # The sampler raised (a Ctrl-C in it): this pass cannot go on, and its
-                    # exception's traceback may keep the run alive -- the staged tasks must
-                    # not stay with it, holding their slots.
-                    run.staged = None
-                    self.stats["staged_dropped"] += len(tasks)
-                    self.abandon(staged)
-                    raise
-            pushback = run.pushback
-            same = len(pushback) >= k and _same_tasks(itertools.islice(pushback, k), tasks)
-        if same:
-            _steps.adopt(run, staged)
-            self.stats["staged_used"] += k
+        n = 0
+        if m:   # the equal ones, up to the first that differs or is no longer of these workers
+            n = _equal_prefix(list(itertools.islice(run.pushback, m)), tasks)
+            n = next((i for i, t in enumerate(itertools.islice(tasks, n))
+                      if t.generation != generation or t.stale or t.consumed), n)
+        if n:
+            _steps.adopt(run, staged, n)
+            self.stats["staged_used"] += n
+            if tasks and n == m and not ended:
+                return   # the rest: compared as the run pulls on
         run.staged = None
         if tasks:
-            self.stats["staged_dropped"] += len(tasks)
+            self._drop_staged_for(run, staged)
+
+    def _drop_staged_for(self, run: Run, staged: Run) -> None:
+        """The tasks left in ``staged`` will not be ``run``'s: counted as dropped, their
+        batches stale (slots freed as they complete); the workers skip those not begun
+        only while no task of ``run`` is in flight (the cancel word covers every seq
+        below it, and ``run``'s adopted tasks are below the staged ones)."""
+        self.stats["staged_dropped"] += len(staged.inflight)
+        if not run.inflight:
             self.abandon(staged)
+            return
+        staged.superseded = True
+        self.dropped.append(staged._ref)
+        _steps.abandon_runs(self)
 
     # ---- runs ----
 
@@ -563,14 +604,26 @@ def _count_dropped(stats: collections.Counter, inflight: collections.deque) -> N
     stats["staged_dropped"] += len(inflight)
 
 
-def _same_tasks(pulled: Iterable[tuple], staged: Iterable[Task]) -> bool:
-    """Whether the task tuples ``pulled`` equal the sources of the tasks ``staged``, in
-    order (in one list comparison; a tuple whose ``==`` is not a plain truth value,
-    such as one holding an array, is taken as different)."""
+def _equal_prefix(pulled: list, staged: Iterable[Task]) -> int:
+    """How many of the task tuples ``pulled`` equal the sources of the tasks ``staged``,
+    in order, before the first that does not (one list comparison when all do; a tuple
+    whose ``==`` is not a plain truth value, such as one holding an array, is taken as
+    different)."""
+    sources = [t.source for t in itertools.islice(staged, len(pulled))]
     try:
-        return bool(list(pulled) == [t.source for t in staged])
-    except Exception:  # noqa: BLE001 -- an elementwise ==: not taken over
-        return False
+        if pulled == sources:
+            return len(pulled)
+    except Exception:  # noqa: BLE001 -- an elementwise ==: looked at one by one
+        pass
+    n = 0
+    for item, source in zip(pulled, sources):
+        try:
+            if not item == source:
+                break
+        except Exception:  # noqa: BLE001 -- an elementwise ==: not taken over
+            break
+        n += 1
+    return n
 
 
 def _failure_exception(failure: Any) -> BaseException:

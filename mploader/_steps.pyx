@@ -297,15 +297,16 @@ def abandon_runs(sched):
         dropped.pop()
 
 
-def adopt(run, staged):
-    """A new run takes over the tasks its engine dispatched ahead for it (``staged``:
-    the run of the next epoch's first tasks, each one found equal to the head of
-    ``run.pushback``, the new run's own pulls), in one step: every task of
-    ``staged.inflight`` moves, in order, to ``run.inflight``, and as many items leave
-    the head of ``run.pushback`` (docs/design.md, "No gap between epochs")."""
+def adopt(run, staged, Py_ssize_t n):
+    """A new run takes over ``n`` of the tasks its engine dispatched ahead for it
+    (``staged``: the run of the next epoch's first tasks, the first ``n`` found equal to
+    the head of ``run.pushback``, the new run's own pulls), in one step: the first
+    ``n`` tasks of ``staged.inflight`` move, in order, to ``run.inflight``, and as many
+    items leave the head of ``run.pushback`` (docs/design.md, "No gap between epochs")."""
     src = staged.inflight
     dst = run.inflight
     pushback = run.pushback
-    while src:
+    while n > 0 and src:
         dst.append(src.popleft())
         pushback.popleft()
+        n -= 1

@@ -386,17 +386,110 @@ def test_the_call_that_takes_staged_batches_over_stages_nothing(unstaged):
 
 
 def test_the_take_over_compares_every_task_and_refuses_an_elementwise_equality():
-    """``_same_tasks`` (the take-over's comparison): equal only if every task tuple is,
-    in order; a tuple whose ``==`` is elementwise (an index array) is taken as different,
-    without raising."""
+    """``_equal_prefix`` (the take-over's comparison): the number of task tuples equal to
+    the staged tasks' sources, in order, up to the first that differs; a tuple whose
+    ``==`` is elementwise (an index array) is taken as different, without raising."""
     from types import SimpleNamespace
 
-    from mploader._scheduler import _same_tasks
+    from mploader._scheduler import _equal_prefix
 
     staged = [SimpleNamespace(source=(1, i, [2 * i, 2 * i + 1])) for i in range(3)]
-    assert _same_tasks([(1, 0, [0, 1]), (1, 1, [2, 3]), (1, 2, [4, 5])], staged)
-    assert not _same_tasks([(1, 0, [0, 1]), (1, 1, [2, 3]), (1, 2, [4, 6])], staged)   # the last differs
-    assert not _same_tasks([(1, 0, [0, 1]), (1, 2, [4, 5]), (1, 1, [2, 3])], staged)   # the order differs
-    assert not _same_tasks([(2, 0, [0, 1]), (2, 1, [2, 3]), (2, 2, [4, 5])], staged)   # another epoch
-    arrays = [SimpleNamespace(source=(1, 0, np.array([0, 1])))]
-    assert not _same_tasks([(1, 0, np.array([0, 1]))], arrays)
+    assert _equal_prefix([(1, 0, [0, 1]), (1, 1, [2, 3]), (1, 2, [4, 5])], staged) == 3
+    assert _equal_prefix([(1, 0, [0, 1]), (1, 1, [2, 3])], staged) == 2   # fewer pulled than staged
+    assert _equal_prefix([(1, 0, [0, 1]), (1, 1, [2, 3]), (1, 2, [4, 6])], staged) == 2   # the last differs
+    assert _equal_prefix([(1, 0, [0, 1]), (1, 2, [4, 5]), (1, 1, [2, 3])], staged) == 1   # the order differs
+    assert _equal_prefix([(2, 0, [0, 1]), (2, 1, [2, 3]), (2, 2, [4, 5])], staged) == 0   # another epoch
+    arrays = [SimpleNamespace(source=(1, 0, np.array([0, 1]))), SimpleNamespace(source=(1, 1, [2, 3]))]
+    assert _equal_prefix([(1, 0, np.array([0, 1])), (1, 1, [2, 3])], arrays) == 0
+
+
+# ---- the take-over, step by step (an engine with a prediction of its own) ----
+
+
+class SlowRows:
+    """Sample ``i`` is ``[i, i, i]`` after ~5 ms of CPU: tasks wait in the worker's queue."""
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        import time
+        end = time.thread_time() + 0.005
+        while time.thread_time() < end:
+            pass
+        return np.full(3, i, np.int64)
+
+
+def _fetch_rows(dataset, indices, alloc):
+    out = alloc((len(indices), 3), np.int64)
+    for k, i in enumerate(indices):
+        out[k] = dataset[i]
+    return out
+
+
+def _epoch_tasks(epoch: int, n: int, size: int = 2) -> list[tuple]:
+    return [(epoch, b, list(range(b * size, b * size + size))) for b in range(n)]
+
+
+class Counted:
+    """An iterator over ``items`` that counts its pulls (the batch sampler's, as a face's
+    source pulls it)."""
+
+    def __init__(self, items) -> None:
+        self.items = iter(items)
+        self.pulls = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self.items)
+        self.pulls += 1
+        return item
+
+
+def _engine(**kw):
+    from mploader._engine import Engine
+
+    opts = dict(num_workers=1, prefetch=3, auto_prefetch=10, shared_mem=None, timeout_s=60, seed=0)
+    opts.update(kw)
+    return Engine(SlowRows(), _fetch_rows, **opts)
+
+
+@pytest.mark.parametrize("differs_at", [None, 1, 4, 9])
+def test_staged_tasks_are_taken_over_as_the_run_pulls_and_a_later_difference_drops_only_the_rest(differs_at):
+    """A deep queue (small batches: the depth rises from ``prefetch`` 3 towards 10) stages
+    the next run's first tasks.  The next run pulls its own tasks as upstream's iterator
+    does -- ``prefetch`` at its first ``next()``, one more after each batch -- and takes
+    each staged task over once its own pull equals it; where the prediction differs (at
+    batch ``differs_at``), the staged tasks from there on are dropped, and the run's
+    batches are its own, in order.  Those dropped after some were taken over go without
+    the workers' cancel word: the run's tasks taken over and still queued in the one
+    worker (busy on the one before) are below it, and with it they came out empty."""
+    n = 12
+    engine = _engine()
+    try:
+        first = [np.array(b, copy=True).tolist() for b in engine.run(_epoch_tasks(0, n))]   # the depth rises
+        predicted = _epoch_tasks(1, n)
+        if differs_at is not None:
+            predicted[differs_at] = (1, differs_at, [999, 998])
+        run = engine.run(_epoch_tasks(0, n), lookahead=lambda: iter(predicted))
+        got = [np.array(b, copy=True).tolist() for b in run]
+        staged = engine.stats()["staged"]
+        assert got == first and staged >= 10, staged   # (the depth reached 10: 10 staged)
+        source = Counted(_epoch_tasks(1, n))
+        run = engine.run(source, upstream_pulls=True)
+        assert source.pulls == 0   # the first pulls wait for the first next()
+        got, pulls = [], []
+        for b in run:
+            got.append(np.array(b, copy=True).tolist())
+            pulls.append(source.pulls)
+        st = engine.stats()
+    finally:
+        engine.close()
+    expected = [[[i, i, i] for i in range(2 * b, 2 * b + 2)] for b in range(n)]
+    assert got == expected
+    used = staged if differs_at is None else differs_at
+    assert (st["staged_used"], st["staged_dropped"]) == (used, staged - used), st
+    # upstream's count while staged tasks are taken over: prefetch + k after k batches
+    assert pulls[:max(used - 3, 0)] == [3 + k for k in range(1, max(used - 3, 0) + 1)], pulls
