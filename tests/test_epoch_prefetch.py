@@ -493,3 +493,33 @@ def test_staged_tasks_are_taken_over_as_the_run_pulls_and_a_later_difference_dro
     assert (st["staged_used"], st["staged_dropped"]) == (used, staged - used), st
     # upstream's count while staged tasks are taken over: prefetch + k after k batches
     assert pulls[:max(used - 3, 0)] == [3 + k for k in range(1, max(used - 3, 0) + 1)], pulls
+
+
+def test_a_run_taking_a_whole_staged_pass_over_stages_the_following_epoch_before_its_end(unstaged):
+    """An epoch whose whole pass was staged compares it as it pulls, so its own source
+    ends only near the epoch's end; the following epoch is staged as soon as the next
+    call, not then, so that the workers' queues do not run dry meanwhile.  The
+    batches are the unstaged loader's and the in-process loader's."""
+    off, on = unstaged
+    kw = dict(dataset=Augmented(64), shuffle=True)   # 16 batches of 4: small, a deep queue
+    with _gluon(2, **kw) as loader:
+        got = _epochs(loader, 2)   # the depth rises above an epoch; epoch 2 is staged whole
+        before = _staging(loader)
+        it = iter(loader)
+        epoch = [np.array(next(it), copy=True).tolist() for _ in range(2)]
+        run = loader._engine._current()
+        during = _staging(loader)
+        assert run.staged is not None and not run.exhausted, "the take-over is over already"
+        assert during["staged"] > before["staged"], (before, during)   # epoch 3's, already
+        epoch += [np.array(b, copy=True).tolist() for b in it]
+        got.append(epoch)
+        got += _epochs(loader, 1)
+        after = _staging(loader)
+        assert after["staged_dropped"] == 0 and after["staged_used"] > during["staged_used"], after
+        _slots_accounted(loader)
+    off()
+    with _gluon(2, **kw) as loader:
+        ref = _epochs(loader)
+    with _gluon(0, **kw) as loader:
+        inline = _epochs(loader)
+    assert got == ref == inline
