@@ -423,8 +423,8 @@ class Scheduler(Dispatch):
                 # The sampler raised (a Ctrl-C in it): this pass cannot go on, and its
                 # exception's traceback may keep the run alive -- the staged tasks must
                 # not stay with it, holding their slots.
-                run.staged = None
                 self._drop_staged_for(run, staged)
+                run.staged = None
                 raise
         m = min(len(run.pushback), len(tasks))
         if m == 0 and not ended and tasks:
@@ -440,22 +440,29 @@ class Scheduler(Dispatch):
             self.stats["staged_used"] += n
             if tasks and n == m and not ended:
                 return   # the rest: compared as the run pulls on
-        run.staged = None
-        if tasks:
+        if tasks:   # (first: while the run holds it, its death cannot send the cancel word)
             self._drop_staged_for(run, staged)
+        run.staged = None
 
     def _drop_staged_for(self, run: Run, staged: Run) -> None:
         """The tasks left in ``staged`` will not be ``run``'s: counted as dropped, their
         batches stale (slots freed as they complete); the workers skip those not begun
         only while no task of ``run`` is in flight (the cancel word covers every seq
-        below it, and ``run``'s adopted tasks are below the staged ones)."""
+        below it, and ``run``'s adopted tasks are below the staged ones).  Called while
+        ``run.staged`` still holds ``staged``: its death, which sends the cancel word for
+        the tasks it still holds, cannot come before they are made stale and cleared."""
         self.stats["staged_dropped"] += len(staged.inflight)
         if not run.inflight:
             self.abandon(staged)
-            return
-        staged.superseded = True
-        self.dropped.append(staged._ref)
-        _steps.abandon_runs(self)
+        else:
+            staged.superseded = True
+            self.dropped.append(staged._ref)
+            _steps.abandon_runs(self)
+        if self.staged is not None and self.staged_after is run._ref:
+            # Staged for run's successor while run took its own over (Run.whole): run's
+            # tasks dispatched from now on come after them, so run's cancel word, when it
+            # is superseded, would cover them; and the prediction was wrong once already.
+            self.drop_staged()
 
     # ---- runs ----
 

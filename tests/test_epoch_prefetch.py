@@ -523,3 +523,29 @@ def test_a_run_taking_a_whole_staged_pass_over_stages_the_following_epoch_before
     with _gluon(0, **kw) as loader:
         inline = _epochs(loader)
     assert got == ref == inline
+
+
+def test_a_take_over_that_differs_drops_the_staging_made_for_the_next_run_too():
+    """A run taking a whole staged pass over stages its successor's first tasks early;
+    when its own tasks then differ from the staged ones, it dispatches them after its
+    successor's staged tasks, and its cancel word when a ``break`` supersedes it would
+    cover those (they came out empty when the successor took them over): the
+    successor's staging is dropped with the rest, and every batch is the run's own."""
+    n = 8
+    expected = [[[i, i, i] for i in range(2 * b, 2 * b + 2)] for b in range(n)]
+    engine = _engine()
+    try:
+        assert [np.array(b, copy=True).tolist() for b in engine.run(_epoch_tasks(0, n))] == expected
+        predicted = _epoch_tasks(1, n)
+        predicted[5] = (1, 5, [999, 998])
+        run = engine.run(_epoch_tasks(0, n), lookahead=lambda: iter(predicted))
+        assert [np.array(b, copy=True).tolist() for b in run] == expected
+        run = engine.run(_epoch_tasks(1, n), lookahead=lambda: iter(_epoch_tasks(2, n)))
+        got = [np.array(next(run), copy=True).tolist() for _ in range(4)]   # the difference, then a break
+        st = engine.stats()
+        after = [np.array(b, copy=True).tolist() for b in engine.run(_epoch_tasks(2, n))]
+    finally:
+        engine.close()
+    assert got == expected[:4] and after == expected
+    # the next run's first tasks were staged too, then dropped with the rest
+    assert st["staged"] > n and (st["staged_used"], st["staged_dropped"]) == (5, st["staged"] - 5), st
