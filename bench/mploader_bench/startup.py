@@ -195,17 +195,18 @@ def run(workers: Sequence[int] = DEFAULT_WORKERS, methods: Sequence[str] = METHO
         loaders: Sequence[str] = LOADERS, repeats: int = DEFAULT_REPEATS, mib: int = DEFAULT_MIB,
         out_dir: str | None = None, echo: Any = print, setup_s: float = DEFAULT_SETUP_S,
         parts: Sequence[str] = PARTS, epoch_methods: Sequence[str] = EPOCH_METHODS,
-        epoch_loaders: Sequence[str] = EPOCH_LOADERS) -> dict[str, Any]:
+        epoch_loaders: Sequence[str] = EPOCH_LOADERS, epochs: int = EPOCHS) -> dict[str, Any]:
     """Run the suite and print its tables; returns the report (also written as JSON to
     ``out_dir/startup.json`` when given).  ``parts``: "first" (the first batch and the
-    USS), "epochs" (the epoch boundaries)."""
+    USS), "epochs" (the epoch boundaries, ``epochs`` per run: ``epochs - 1`` first
+    batches of epochs 2+ per run and cell)."""
     from .machine import machine_info
 
     started = time.time()
     rows = _first_rows(workers, methods, loaders, repeats, mib, setup_s, echo) if "first" in parts else []
-    epoch_rows = _epoch_rows(epoch_methods, epoch_loaders, repeats, echo) if "epochs" in parts else []
+    epoch_rows = _epoch_rows(epoch_methods, epoch_loaders, repeats, echo, epochs) if "epochs" in parts else []
     report = {"suite": "startup", "dataset_mib": mib, "batch_size": BATCH_SIZE, "repeats": repeats,
-              "setup_s": setup_s, "epoch_setting": epoch_setting(),
+              "setup_s": setup_s, "epoch_setting": epoch_setting(epochs),
               "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(started)),
               "seconds": round(time.time() - started, 1), "machine": machine_info(with_torch=True), "rows": rows,
               "epoch_rows": epoch_rows}
@@ -303,9 +304,9 @@ def format_table(report: dict) -> str:
 
 # ---- epoch boundaries ------------------------------------------------------------------
 
-def epoch_setting() -> dict[str, Any]:
+def epoch_setting(epochs: int = EPOCHS) -> dict[str, Any]:
     return {"workers": EPOCH_WORKERS, "batch_size": EPOCH_BATCH, "sample_ms": SAMPLE_MS, "step_ms": STEP_MS,
-            "epochs": EPOCHS, "epoch_batches": EPOCH_BATCHES, "steady_from": STEADY_FROM}
+            "epochs": epochs, "epoch_batches": EPOCH_BATCHES, "steady_from": STEADY_FROM}
 
 
 class BusyDataset:
@@ -366,8 +367,8 @@ def _epoch_loader(which: str, method: str, persistent: bool) -> tuple[Any, Any]:
                multiprocessing_context=method, persistent_workers=persistent), None
 
 
-def epoch_child(which: str, method: str, persistent: bool) -> dict[str, Any]:
-    """In a fresh process: the wait in ``next()`` of every batch of ``EPOCHS`` epochs
+def epoch_child(which: str, method: str, persistent: bool, epochs: int = EPOCHS) -> dict[str, Any]:
+    """In a fresh process: the wait in ``next()`` of every batch of ``epochs`` epochs
     (seconds), one list per epoch, the first batch's counted from ``iter()`` (torch's
     ``iter()`` over persistent workers dispatches the epoch's first tasks and waits for
     its workers); a ``STEP_MS`` sleep after each batch."""
@@ -376,7 +377,7 @@ def epoch_child(which: str, method: str, persistent: bool) -> dict[str, Any]:
     loader, before_epoch = _epoch_loader(which, method, persistent)
     waits: list[list[float]] = []
     try:
-        for e in range(EPOCHS):
+        for e in range(epochs):
             if before_epoch is not None:
                 before_epoch(e)
             t0 = time.perf_counter()
@@ -402,9 +403,9 @@ def epoch_child(which: str, method: str, persistent: bool) -> dict[str, Any]:
     return {"waits": waits, "staged_used": stats.get("staged_used"), "staged_dropped": stats.get("staged_dropped")}
 
 
-def _run_epoch_child(which: str, method: str, persistent: bool) -> dict[str, Any]:
+def _run_epoch_child(which: str, method: str, persistent: bool, epochs: int = EPOCHS) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "mploader_bench.startup", "--epoch-child", which, method,
-           "persistent" if persistent else "restarted"]
+           "persistent" if persistent else "restarted", "--epochs", str(epochs)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     if proc.returncode != 0:
         return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["exit " + str(proc.returncode)]}
@@ -424,7 +425,8 @@ def epoch_summary(waits: list[list[float]]) -> dict[str, list[float]]:
             "steady_ms": [1000 * w for e in waits for w in e[STEADY_FROM:]]}
 
 
-def _epoch_rows(methods: Sequence[str], loaders: Sequence[str], repeats: int, echo: Any) -> list[dict]:
+def _epoch_rows(methods: Sequence[str], loaders: Sequence[str], repeats: int, echo: Any,
+                epochs: int = EPOCHS) -> list[dict]:
     cells: dict[tuple[str, str, bool], dict[str, list]] = {}
     for r in range(repeats):
         for method in methods:
@@ -432,7 +434,7 @@ def _epoch_rows(methods: Sequence[str], loaders: Sequence[str], repeats: int, ec
                 for which in loaders:
                     if which.startswith("gluon") and not persistent:
                         continue   # the Gluon face's workers always persist
-                    res = _run_epoch_child(which, method, persistent)
+                    res = _run_epoch_child(which, method, persistent, epochs)
                     cell = cells.setdefault((which, method, persistent),
                                             {"first_ms": [], "start_ms": [], "steady_ms": [], "steady_mean_ms": [],
                                              "errors": []})
@@ -517,6 +519,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--parts", default=",".join(PARTS), help="first (first batch, USS), epochs (epoch boundaries)")
     p.add_argument("--epoch-methods", default=",".join(EPOCH_METHODS))
     p.add_argument("--epoch-loaders", default=",".join(EPOCH_LOADERS))
+    p.add_argument("--epochs", type=int, default=EPOCHS,
+                   help="epochs per run of the epoch part (the first batches of epochs 2+ are timed)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     if a.child:
@@ -526,12 +530,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if a.epoch_child:
         which, method, persistent = a.epoch_child
-        print(json.dumps(epoch_child(which, method, persistent == "persistent")))
+        print(json.dumps(epoch_child(which, method, persistent == "persistent", a.epochs)))
         return 0
     run(workers=[int(x) for x in a.workers.split(",")], methods=a.methods.split(","),
         loaders=a.loaders.split(","), repeats=a.repeats, mib=a.mib, out_dir=a.out, setup_s=a.setup_s,
         parts=a.parts.split(","), epoch_methods=a.epoch_methods.split(","),
-        epoch_loaders=a.epoch_loaders.split(","))
+        epoch_loaders=a.epoch_loaders.split(","), epochs=a.epochs)
     return 0
 
 

@@ -68,3 +68,14 @@ def test_the_distributed_epoch_cell_gives_the_samplers_epochs_and_takes_the_stag
         assert loader.stats()["staged_used"] > 0
     finally:
         loader.close()
+
+
+def test_the_epoch_child_runs_as_many_epochs_as_asked(capsys):
+    """``--epochs N`` (the epoch part's epochs per run; 5 by default): the child times
+    every batch of N epochs and the setting the table prints says N."""
+    import json
+
+    assert startup.main(["--epoch-child", "gluon", "fork", "persistent", "--epochs", "3"]) == 0
+    waits = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["waits"]
+    assert [len(e) for e in waits] == [startup.EPOCH_BATCHES] * 3
+    assert startup.epoch_setting(12)["epochs"] == 12 and startup.epoch_setting()["epochs"] == startup.EPOCHS
