@@ -306,9 +306,9 @@ class Engine:
 
     def staged_slots(self) -> list[int]:
         """The ring's slots that hold the next epoch's first batches, dispatched ahead
-        while this epoch ended (docs/design.md, "No gap between epochs"), and those a
-        new run took and has not yet compared with its own first tasks (it has not
-        been stepped): not leaked, the run takes them over or frees them."""
+        while this epoch ended (docs/design.md, "No gap between epochs"), and those the
+        current run took and has not yet compared with its own tasks (it compares them
+        as it pulls its source): not leaked, the run takes them over or frees them."""
         with self._lock:
             slots = self._scheduler.staged_slots()
             run = self._current()
