@@ -17,6 +17,7 @@ import select
 import numpy as np
 import psutil
 import pytest
+from test_engine import fetch_stack
 
 import mploader
 import mploader._scheduler
@@ -75,6 +76,17 @@ def _slots_accounted(loader) -> None:
     st = _staging(loader)
     assert st["staged"] == st["staged_used"] + st["staged_dropped"] + len(staged), st
     assert [s for s in range(region.nslots) if region.state(s) != STATE_FREE and s not in staged] == []
+
+
+def _assert_as_unstaged_and_inline(got: list, off, kw: dict) -> None:
+    """``got`` (each epoch's batches) is what the loader without the staging (``off``
+    turns it off) and the loader without workers give."""
+    off()
+    with _gluon(2, **kw) as loader:
+        ref = _epochs(loader, len(got))
+    with _gluon(0, **kw) as loader:
+        inline = _epochs(loader, len(got))
+    assert got == ref == inline
 
 
 def _gluon(num_workers, **kw):
@@ -321,17 +333,21 @@ def test_a_worker_dying_on_a_staged_batch_fails_the_next_epoch_as_unstaged(unsta
 
 
 class Slow:
-    """Sample ``i`` is ``[i, i]`` after ~2 ms of CPU (so that tasks wait in the workers' queues)."""
+    """Sample ``i`` is ``width`` copies of ``i`` (int64) after ``cpu_s`` of CPU, so that
+    tasks wait in the workers' queues."""
+
+    def __init__(self, n: int = 48, width: int = 2, cpu_s: float = 0.002) -> None:
+        self.n, self.width, self.cpu_s = n, width, cpu_s
 
     def __len__(self) -> int:
-        return 48
+        return self.n
 
     def __getitem__(self, i: int) -> np.ndarray:
         import time
-        end = time.thread_time() + 0.002
+        end = time.thread_time() + self.cpu_s
         while time.thread_time() < end:
             pass
-        return np.array([i, i], dtype=np.int64)
+        return np.full(self.width, i, dtype=np.int64)
 
 
 def test_dropping_the_staging_mid_epoch_leaves_the_current_epochs_batches():
@@ -377,12 +393,7 @@ def test_the_call_that_takes_staged_batches_over_stages_nothing(unstaged):
         assert after["staged"] > first["staged"] and after["staged_used"] > first["staged_used"], after
         assert after["staged_dropped"] == 0, after
         _slots_accounted(loader)
-    off()
-    with _gluon(2, **kw) as loader:
-        ref = _epochs(loader)
-    with _gluon(0, **kw) as loader:
-        inline = _epochs(loader)
-    assert got == ref == inline
+    _assert_as_unstaged_and_inline(got, off, kw)
 
 
 def test_the_take_over_compares_every_task_and_refuses_an_elementwise_equality():
@@ -404,27 +415,6 @@ def test_the_take_over_compares_every_task_and_refuses_an_elementwise_equality()
 
 
 # ---- the take-over, step by step (an engine with a prediction of its own) ----
-
-
-class SlowRows:
-    """Sample ``i`` is ``[i, i, i]`` after ~5 ms of CPU: tasks wait in the worker's queue."""
-
-    def __len__(self) -> int:
-        return 1000
-
-    def __getitem__(self, i: int) -> np.ndarray:
-        import time
-        end = time.thread_time() + 0.005
-        while time.thread_time() < end:
-            pass
-        return np.full(3, i, np.int64)
-
-
-def _fetch_rows(dataset, indices, alloc):
-    out = alloc((len(indices), 3), np.int64)
-    for k, i in enumerate(indices):
-        out[k] = dataset[i]
-    return out
 
 
 def _epoch_tasks(epoch: int, n: int, size: int = 2) -> list[tuple]:
@@ -453,7 +443,7 @@ def _engine(**kw):
 
     opts = dict(num_workers=1, prefetch=3, auto_prefetch=10, shared_mem=None, timeout_s=60, seed=0)
     opts.update(kw)
-    return Engine(SlowRows(), _fetch_rows, **opts)
+    return Engine(Slow(1000, width=3, cpu_s=0.005), fetch_stack, **opts)
 
 
 @pytest.mark.parametrize("differs_at", [None, 1, 4, 9])
@@ -517,12 +507,7 @@ def test_a_run_taking_a_whole_staged_pass_over_stages_the_following_epoch_before
         after = _staging(loader)
         assert after["staged_dropped"] == 0 and after["staged_used"] > during["staged_used"], after
         _slots_accounted(loader)
-    off()
-    with _gluon(2, **kw) as loader:
-        ref = _epochs(loader)
-    with _gluon(0, **kw) as loader:
-        inline = _epochs(loader)
-    assert got == ref == inline
+    _assert_as_unstaged_and_inline(got, off, kw)
 
 
 def test_a_take_over_that_differs_drops_the_staging_made_for_the_next_run_too():
