@@ -8,6 +8,7 @@ that worker seeding and task assignment are compared too.
 import collections
 import gc
 import inspect
+import multiprocessing
 import random
 import subprocess
 import sys
@@ -581,7 +582,11 @@ def test_import_mploader_works_without_torch():
 
 
 class Killer(Dataset):
-    """Sample 6 kills its worker (a segfault in a decoder, the OOM killer ...)."""
+    """Sample 6 kills its worker (a segfault in a decoder, the OOM killer ...), once
+    ``armed`` (an event inherited by fork) is set."""
+
+    def __init__(self, armed):
+        self.armed = armed
 
     def __len__(self):
         return 12
@@ -590,6 +595,7 @@ class Killer(Dataset):
         if i == 6:
             import os
             import signal
+            self.armed.wait(60)
             os.kill(os.getpid(), signal.SIGKILL)
         return i
 
@@ -599,10 +605,15 @@ def test_dead_worker_raises_naming_pid_signal_and_batch(no_leaks):
     import signal
 
     from mploader import WorkerError
-    loader = DataLoader(Killer(), batch_size=3, num_workers=2)
+    # The death waits for batch 1's delivery: a wait that notices a dead worker owing a
+    # batch raises at once, as torch's SIGCHLD handler does, so a worker killed before
+    # batch 1 was published (a loaded machine: CI, 2026-11-28) failed batch 1's next().
+    armed = multiprocessing.get_context("fork").Event()
+    loader = DataLoader(Killer(armed), batch_size=3, num_workers=2, multiprocessing_context="fork")
     it = iter(loader)
     assert next(it).tolist() == [0, 1, 2]
     assert next(it).tolist() == [3, 4, 5]
+    armed.set()
     with pytest.raises(WorkerError) as info:
         next(it)
     assert isinstance(info.value, RuntimeError)
