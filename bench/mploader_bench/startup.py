@@ -523,6 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="epochs per run of the epoch part (the first batches of epochs 2+ are timed)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    if a.epochs < 2:
+        p.error(f"--epochs must be at least 2 (the first batches of epochs 2 and later are timed), got {a.epochs}")
     if a.child:
         which, method, n, mib = a.child
         print(json.dumps(child(which, method, int(n), int(mib), a.setup_s if a.setup_s > 0 else 0.0,

@@ -79,3 +79,6 @@ def test_the_epoch_child_runs_as_many_epochs_as_asked(capsys):
     waits = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["waits"]
     assert [len(e) for e in waits] == [startup.EPOCH_BATCHES] * 3
     assert startup.epoch_setting(12)["epochs"] == 12 and startup.epoch_setting()["epochs"] == startup.EPOCHS
+    with pytest.raises(SystemExit):   # (no epoch 2: nothing to time)
+        startup.main(["--parts", "epochs", "--epochs", "1"])
+    assert "--epochs must be at least 2" in capsys.readouterr().err
