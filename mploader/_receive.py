@@ -201,8 +201,13 @@ class Receive:
             return
         self.staged = None
         self.stats["staged_dropped"] += len(staged.inflight)
-        # Stale, but without the workers' cancel word: the current run's tasks, dispatched
-        # before these, are below it and still wanted (a worker would publish them empty).
+        self.abandon_quietly(staged)
+
+    def abandon_quietly(self, staged: Any) -> None:
+        """Make the tasks of ``staged`` (a run of staged tasks) stale, their slots freed as
+        they complete, without the workers' cancel word: the current run's tasks,
+        dispatched before these, are below it and still wanted (a worker would publish
+        them empty)."""
         staged.superseded = True
         self.dropped.append(staged._ref)
         _steps.abandon_runs(self)

@@ -142,9 +142,8 @@ class Scheduler(Dispatch):
             # dispatch (they queue behind this epoch's tasks either way).  Once every task
             # left of the pass is staged for this run (``Run.whole``), as soon as the
             # source is exhausted: the workers never run dry while the run compares.
-            if (STAGE_NEXT_EPOCH and not first and (run.lookahead is not None or self.staged is not None)
-                    and (run.exhausted or (run.staged is not None and run.staged.whole
-                                           and not run.staged.pushback))):
+            if ((run.exhausted or (run.staged is not None and run.staged.whole and not run.staged.pushback))
+                    and STAGE_NEXT_EPOCH and not first and (run.lookahead is not None or self.staged is not None)):
                 self._stage(run)
             if not inflight:
                 if run.source_error is not None:
@@ -455,9 +454,7 @@ class Scheduler(Dispatch):
         if not run.inflight:
             self.abandon(staged)
         else:
-            staged.superseded = True
-            self.dropped.append(staged._ref)
-            _steps.abandon_runs(self)
+            self.abandon_quietly(staged)
         if self.staged is not None and self.staged_after is run._ref:
             # Staged for run's successor while run took its own over (Run.whole): run's
             # tasks dispatched from now on come after them, so run's cancel word, when it
