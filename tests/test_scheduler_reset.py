@@ -22,8 +22,9 @@ def fetch_dying_on_7(dataset, indices, alloc):
     return fetch_stack(dataset, indices, alloc)
 
 
-def make(fetch=fetch_stack):
-    return Engine(Arange(), fetch, num_workers=2, prefetch=4, shared_mem=None, timeout_s=30, seed=0)
+def make(fetch=fetch_stack, start_method="fork"):
+    return Engine(Arange(), fetch, num_workers=2, prefetch=4, shared_mem=None, timeout_s=30, seed=0,
+                  start_method=start_method)
 
 
 def tasks(n, size=2):
@@ -97,6 +98,33 @@ def test_an_idle_workers_death_resets_that_worker_with_reason_dead():
         assert firsts(engine.run(tasks(4))) == [0, 2, 4, 6]
         assert calls == [("dead", victim.pid)]
         assert victim.pid not in engine.worker_pids() and len(engine.worker_pids()) == 2
+        assert_clean(engine)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
+def test_replace_dead_finds_an_idle_death_by_its_exit_descriptor_and_leaves_live_workers(method):
+    """``replace_dead`` polls the workers' pidfds (or the zygote's status pipes) once and
+    reaps no one while none is readable: with every worker alive it resets nothing and
+    keeps the same channels; once one was killed, the same call resets exactly that
+    one with reason "dead", under each start method's exit descriptor."""
+    engine = make(start_method=method)
+    try:
+        assert firsts(engine.run(tasks(4))) == [0, 2, 4, 6]
+        sched = engine._scheduler
+        before = list(engine._res.workers)
+        calls = spy_resets(engine)
+        sched.replace_dead()
+        assert calls == [] and engine._res.workers == before
+        assert all(w.status is None for w in before)
+        victim = before[1]
+        os.kill(victim.pid, signal.SIGKILL)
+        assert exited([victim], 10) == [victim]
+        sched.replace_dead()
+        assert calls == [("dead", victim.pid)]
+        assert engine._res.workers == before[:1]
+        assert firsts(engine.run(tasks(4))) == [0, 2, 4, 6]
         assert_clean(engine)
     finally:
         engine.close()
