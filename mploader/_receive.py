@@ -243,12 +243,6 @@ class Receive:
         published are delivered, and the wait names the one it was loading."""
         _steps.abandon_runs(self)
         res = self.res
-        workers = res.workers
-        # Every worker runs: one poll of their pidfds, not a waitpid each (an epoch's start
-        # does little else).  Not where a fallback pipe stands for a pidfd: a process the
-        # worker forked may hold it open after the worker's death, which waitpid sees.
-        if all(w.status is None and not w.watch_pipe for w in workers) and not exited(workers, 0):
-            return
         keep = []
         for w in res.workers:
             if w.status is None and not w.reap():

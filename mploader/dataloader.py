@@ -252,8 +252,8 @@ class DataLoader:
     def __iter__(self) -> _LoaderIter:
         epoch = self._epoch
         self._epoch += 1
-        if self._shuffler is not None:   # (set_epoch without its check: the loader's own counter)
-            self._shuffler._epoch = epoch
+        if self._shuffler is not None:
+            self._shuffler.set_epoch(epoch)
         progress, tasks = self._ckpt.start_epoch(epoch)
         options = self._options
         gen: Iterator[Any]

@@ -89,10 +89,10 @@ def test_a_worker_dying_owing_a_batch_resets_with_reason_failure():
 
 @pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
 def test_an_idle_workers_death_resets_that_worker_with_reason_dead(method):
-    """``replace_dead`` (at each run's start) polls the workers' exit descriptors once
-    (pidfds; the zygote's status pipes under forkserver and spawn): with every worker
-    alive it resets no one; once one was killed, it resets exactly that one (the
-    dispatch to a dead worker would find it too, later: asked here directly)."""
+    """``replace_dead`` (at each run's start) under each start method (forked workers,
+    the zygote's under forkserver and spawn): with every worker alive it resets no
+    one; once one was killed, it resets exactly that one (the dispatch to a dead
+    worker would find it too, later: asked here directly)."""
     engine = make(start_method=method)
     try:
         assert firsts(engine.run(tasks(4))) == [0, 2, 4, 6]
