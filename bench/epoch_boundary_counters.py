@@ -13,7 +13,7 @@ The setting of ``bench/epoch_boundary_footprint.py sleep``: the Gluon face, ``se
 each epoch's ``iter()``.  ``perf stat`` counts only the parent, and only inside the
 windows the child opens through perf's control pipe (``--control``): ``boundary``,
 around ``iter()`` + the first ``next()`` of each epoch; ``steady``, around one
-``next()`` mid-epoch (the 8th batch); ``empty``, around nothing: the cost of opening
+``next()`` mid-epoch (the 8th call after the first batch); ``empty``, around nothing: the cost of opening
 and closing a window, subtracted from the other two.  Printed per window: user-space
 cycles, instructions and cache misses, kernel cycles, and the user-space IPC.  A
 child of another tree: ``PYTHONPATH=TREE``.  Results: docs/bench-log.md, "Twentieth
