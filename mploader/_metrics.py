@@ -204,6 +204,9 @@ class BusyCells:
         else:
             self.map = mmap.mmap(-1, self.map_bytes, flags=mmap.MAP_SHARED)
         self.owners: list[Any] = [None] * self.capacity     # a worker's Channel, or None
+        # Cells at and above ``used`` were never owned: the readers stop there (an
+        # epoch's first next() reads the totals, and the cells are 2 per worker + 16).
+        self.used = 0
         self.retired = [0.0] * num_workers
 
     def allocate(self) -> int:
@@ -224,6 +227,8 @@ class BusyCells:
     def own(self, cell: int, worker: Any) -> None:
         if cell >= 0:
             self.owners[cell] = worker
+            if cell >= self.used:
+                self.used = cell + 1
 
     def cancel_below(self, seq: int) -> None:
         """Workers skip every task with a seq below ``seq`` they have not started (the
@@ -273,7 +278,7 @@ class BusyCells:
 
     def _read(self, m: mmap.mmap, now: float) -> list[float]:
         out = list(self.retired)
-        for cell, owner in enumerate(self.owners):
+        for cell, owner in enumerate(self.owners[:self.used]):
             if owner is None or owner.wid >= len(out):
                 continue
             off = cell * _CELL.size
@@ -299,7 +304,7 @@ class BusyCells:
         out: dict[int, float] = {}
         if m is None:
             return out
-        for cell, owner in enumerate(self.owners):
+        for cell, owner in enumerate(self.owners[:self.used]):
             if owner is not None and owner.status is None:
                 start = _START.unpack_from(m, cell * _CELL.size + 8)[0]
                 if start:

@@ -29,7 +29,7 @@ import functools
 import itertools
 import pickle
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from . import _bad_samples, _memory, _ring, _steps, _watchdog
@@ -428,14 +428,9 @@ class Scheduler(Dispatch):
         m = min(len(run.pushback), len(tasks))
         if m == 0 and not ended and tasks:
             return   # nothing pulled to compare yet: a later step
-        generation = self.generation
-        n = 0
-        if m:   # the equal ones, up to the first that differs or is no longer of these workers
-            n = _equal_prefix(list(itertools.islice(run.pushback, m)), tasks)
-            n = next((i for i, t in enumerate(itertools.islice(tasks, n))
-                      if t.generation != generation or t.stale or t.consumed), n)
+        # the equal ones, up to the first that differs or is no longer of these workers
+        n = _steps.adopt(run, staged, self.generation) if m else 0
         if n:
-            _steps.adopt(run, staged, n)
             self.stats["staged_used"] += n
             if tasks and n == m and not ended:
                 return   # the rest: compared as the run pulls on
@@ -606,28 +601,6 @@ def _count_dropped(stats: collections.Counter, inflight: collections.deque) -> N
     """A staged run died: the tasks it still holds (none when it was taken over or
     abandoned, which empties it) count as dropped."""
     stats["staged_dropped"] += len(inflight)
-
-
-def _equal_prefix(pulled: list, staged: Iterable[Task]) -> int:
-    """How many of the task tuples ``pulled`` equal the sources of the tasks ``staged``,
-    in order, before the first that does not (one list comparison when all do; a tuple
-    whose ``==`` is not a plain truth value, such as one holding an array, is taken as
-    different)."""
-    sources = [t.source for t in itertools.islice(staged, len(pulled))]
-    try:
-        if pulled == sources:
-            return len(pulled)
-    except Exception:  # noqa: BLE001 -- an elementwise ==: looked at one by one
-        pass
-    n = 0
-    for item, source in zip(pulled, sources):
-        try:
-            if not item == source:
-                break
-        except Exception:  # noqa: BLE001 -- an elementwise ==: not taken over
-            break
-        n += 1
-    return n
 
 
 def _failure_exception(failure: Any) -> BaseException:

@@ -263,6 +263,8 @@ def _batch_size(batch_sampler: Any) -> int | None:
 
 #: How a batch sampler's state behaves within a pass (see :class:`Snapshots`).
 UNDECIDED, PER_PASS, PER_BATCH = "undecided", "per pass", "per batch"
+#: The snapshot of a pull whose sampler's state is per pass by construction (Snapshots.fixed).
+_FIXED = ("per pass by construction",)
 
 
 class Snapshots:
@@ -294,10 +296,14 @@ class Snapshots:
     torchdata's ``RandomSampler`` regenerates the finished pass's permutation from
     its generator's state, which leaves the generator where the live one is)."""
 
-    __slots__ = ("mode", "first", "after", "end")
+    __slots__ = ("mode", "first", "after", "end", "fixed")
 
-    def __init__(self) -> None:
+    def __init__(self, fixed: bool = False) -> None:
         self.mode = UNDECIDED
+        # The batch sampler says its state moves only where a pass begins and ends
+        # (``_state_tokens_per_pass``, a StateToken at the start, an iterator without
+        # state): the first two pulls decide per pass without a snapshot (_FIXED).
+        self.fixed = fixed
         self.first: Any = None
         self.after: collections.deque = collections.deque()   # (batch index, snapshot)
         self.end: Any = None   # a per-batch iterator's state once its pass is exhausted
@@ -307,7 +313,7 @@ class Snapshots:
             if self.first is None:
                 self.first = snap
             else:
-                self.mode = PER_PASS if _same(snap, self.first) else PER_BATCH
+                self.mode = PER_PASS if snap is self.first or _same(snap, self.first) else PER_BATCH
                 if self.mode == PER_PASS:
                     self.after.clear()
                     return
@@ -469,7 +475,8 @@ class MapState:
         snaps = None
         if error is None and (callable(getattr(self.batch_sampler, "state_dict", None))
                               or callable(getattr(it, "state_dict", None))):
-            snaps = Snapshots()
+            snaps = Snapshots(type(sampler_state) is StateToken and iter_state is None
+                              and getattr(self.batch_sampler, "_state_tokens_per_pass", False))
         self.mode = None
         progress = MapProgress(epoch, consumed, ahead, sampler_state, iter_state, error, position, snaps)
         if pending is not None and consumed == 0 and not ahead and pending.get("batch_sampler_mode") == PER_BATCH:
@@ -526,7 +533,7 @@ class MapState:
             for indices in it:
                 if snaps is not None and snaps.mode != PER_PASS:
                     try:
-                        snap = (peek(self.batch_sampler), peek(source))
+                        snap = _FIXED if snaps.fixed else (peek(self.batch_sampler), peek(source))
                     except Exception as exc:  # noqa: BLE001 - raised by state_dict(): state() raises it
                         progress.error, progress.snaps, snaps = exc, None, None
                     else:

@@ -297,16 +297,34 @@ def abandon_runs(sched):
         dropped.pop()
 
 
-def adopt(run, staged, Py_ssize_t n):
-    """A new run takes over ``n`` of the tasks its engine dispatched ahead for it
-    (``staged``: the run of the next epoch's first tasks, the first ``n`` found equal to
-    the head of ``run.pushback``, the new run's own pulls), in one step: the first
-    ``n`` tasks of ``staged.inflight`` move, in order, to ``run.inflight``, and as many
-    items leave the head of ``run.pushback`` (docs/design.md, "No gap between epochs")."""
+def adopt(run, staged, generation):
+    """A new run takes over the tasks its engine dispatched ahead for it that its own
+    pulls asked for (``staged``: the run of the next epoch's first tasks; the head of
+    ``run.pushback``: the new run's own pulls), in one step; returns how many.  The
+    prefix taken: each pulled task tuple ``==`` the staged task's ``source`` (same
+    epoch, batch index and indices; a tuple whose ``==`` is not a plain truth value,
+    such as one holding an index array, is taken as different), the staged task of
+    the workers' ``generation``, neither stale nor consumed; up to the first that is
+    not, or the shorter of the two.  Compared first (the only Python code it may run
+    is an item's ``__eq__``, before anything moves), then those tasks move, in order,
+    from ``staged.inflight`` to ``run.inflight``, and as many items leave the head of
+    ``run.pushback`` (docs/design.md, "No gap between epochs")."""
     src = staged.inflight
     dst = run.inflight
     pushback = run.pushback
-    while n > 0 and src:
+    cdef Py_ssize_t n = 0
+    for item, task in zip(pushback, src):
+        if task.generation != generation or task.stale or task.consumed:
+            break
+        try:
+            if not item == task.source:
+                break
+        except Exception:   # an elementwise == (arrays): not taken over
+            break
+        n += 1
+    cdef Py_ssize_t k = n
+    while k > 0:
         dst.append(src.popleft())
         pushback.popleft()
-        n -= 1
+        k -= 1
+    return n

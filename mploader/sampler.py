@@ -372,6 +372,11 @@ class BatchSampler(Sampler):
                 "last_batch": self._last_batch, "sampler_type": _state.type_name(self._sampler),
                 "carry": carry, "sampler": sampler_state}
 
+    #: (mploader._state.Snapshots) Where :meth:`_state_token` gives a token, the state
+    #: moves only as a pass begins (the carry taken, the sampler's epoch counted) and
+    #: after its last batch (the new carry): never between two pulls.
+    _state_tokens_per_pass = True
+
     def _state_token(self) -> tuple | None:
         """(mploader._state.peek) What :meth:`state_dict` is a function of now -- the
         carry and the sampler's token (``()``: a :class:`SequentialSampler`, which has

@@ -397,21 +397,41 @@ def test_the_call_that_takes_staged_batches_over_stages_nothing(unstaged):
 
 
 def test_the_take_over_compares_every_task_and_refuses_an_elementwise_equality():
-    """``_equal_prefix`` (the take-over's comparison): the number of task tuples equal to
-    the staged tasks' sources, in order, up to the first that differs; a tuple whose
-    ``==`` is elementwise (an index array) is taken as different, without raising."""
+    """``_steps.adopt`` (the take-over's step): the staged tasks whose sources equal the
+    run's pulled task tuples, in order, up to the first that differs or is of other
+    workers, stale or consumed, move to the run, and as many pulls leave its pushback;
+    a tuple whose ``==`` is elementwise (an index array) is taken as different, without
+    raising."""
+    from collections import deque
     from types import SimpleNamespace
 
-    from mploader._scheduler import _equal_prefix
+    from mploader import _steps
 
-    staged = [SimpleNamespace(source=(1, i, [2 * i, 2 * i + 1])) for i in range(3)]
-    assert _equal_prefix([(1, 0, [0, 1]), (1, 1, [2, 3]), (1, 2, [4, 5])], staged) == 3
-    assert _equal_prefix([(1, 0, [0, 1]), (1, 1, [2, 3])], staged) == 2   # fewer pulled than staged
-    assert _equal_prefix([(1, 0, [0, 1]), (1, 1, [2, 3]), (1, 2, [4, 6])], staged) == 2   # the last differs
-    assert _equal_prefix([(1, 0, [0, 1]), (1, 2, [4, 5]), (1, 1, [2, 3])], staged) == 1   # the order differs
-    assert _equal_prefix([(2, 0, [0, 1]), (2, 1, [2, 3]), (2, 2, [4, 5])], staged) == 0   # another epoch
-    arrays = [SimpleNamespace(source=(1, 0, np.array([0, 1]))), SimpleNamespace(source=(1, 1, [2, 3]))]
-    assert _equal_prefix([(1, 0, np.array([0, 1])), (1, 1, [2, 3])], arrays) == 0
+    def task(source: tuple, generation: int = 7, stale: bool = False, consumed: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(source=source, generation=generation, stale=stale, consumed=consumed)
+
+    def take(pulled: list, staged: list) -> tuple[int, list, list, list]:
+        run = SimpleNamespace(pushback=deque(pulled), inflight=deque())
+        ahead = SimpleNamespace(inflight=deque(staged))
+        n = _steps.adopt(run, ahead, 7)
+        return n, list(run.inflight), list(ahead.inflight), list(run.pushback)
+
+    staged = [task((1, i, [2 * i, 2 * i + 1])) for i in range(3)]
+    pulled = [(1, 0, [0, 1]), (1, 1, [2, 3]), (1, 2, [4, 5])]
+    assert take(pulled, staged) == (3, staged, [], [])
+    assert take(pulled[:2], staged) == (2, staged[:2], staged[2:], [])   # fewer pulled than staged
+    assert take(pulled + [(1, 3, [6, 7])], staged) == (3, staged, [], [(1, 3, [6, 7])])   # more pulled
+    assert take(pulled[:2] + [(1, 2, [4, 6])], staged) == (2, staged[:2], staged[2:], [(1, 2, [4, 6])])
+    swapped = [pulled[0], pulled[2], pulled[1]]   # the order differs
+    assert take(swapped, staged) == (1, staged[:1], staged[1:], swapped[1:])
+    other_epoch = [(2, i, t[2]) for i, t in enumerate(pulled)]
+    assert take(other_epoch, staged) == (0, [], staged, other_epoch)
+    for bad in (task(staged[1].source, generation=6), task(staged[1].source, stale=True),
+                task(staged[1].source, consumed=True)):   # of other workers, stale, consumed
+        assert take(pulled, [staged[0], bad, staged[2]])[:3] == (1, staged[:1], [bad, staged[2]])
+    arrays = [task((1, 0, np.array([0, 1]))), task((1, 1, [2, 3]))]
+    n, moved, left, pushback = take([(1, 0, np.array([0, 1])), (1, 1, [2, 3])], arrays)
+    assert (n, moved, left, len(pushback)) == (0, [], arrays, 2)
 
 
 # ---- the take-over, step by step (an engine with a prediction of its own) ----

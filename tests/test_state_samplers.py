@@ -213,6 +213,37 @@ def test_a_per_pass_state_is_still_taken_once_per_pass():
         (2, 0, "per pass")
 
 
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("last_batch", ["keep", "discard", "rollover"])
+@pytest.mark.parametrize("length", [BATCH - 1, BATCH, BATCH + 1, 2 * BATCH, 2 * N])
+def test_a_sampler_per_pass_by_construction_is_not_snapshotted_and_saves_the_same_states(
+        monkeypatch, shuffle, last_batch, length):
+    """``mploader.BatchSampler`` over a ``SequentialSampler`` or a seeded ``RandomSampler``
+    declares its state per pass (``_state_tokens_per_pass``): its pulls take no
+    snapshot, and the state dict at every position, passes of 0, 1, 2 and more batches
+    included, is the one the general path (two snapshots decide) gives."""
+    class Short(Dataset):
+        def __len__(self):
+            return length
+
+    def states():
+        with mploader.DataLoader(Short(), batch_size=BATCH, shuffle=shuffle, seed=3, last_batch=last_batch,
+                                 num_workers=0) as loader:
+            return run_epochs(loader)
+
+    peeks = []
+    real_peek = mploader._state.peek
+    monkeypatch.setattr(mploader._state, "peek", lambda obj: peeks.append(obj) or real_peek(obj))
+    fixed = states()
+    assert len(peeks) == 2 * EPOCHS   # the batch sampler and its iterator at each epoch's start, no more
+    peeks.clear()
+    monkeypatch.setattr(mploader.BatchSampler, "_state_tokens_per_pass", False)
+    general = states()
+    if length >= 2 * BATCH:   # (two pulls a pass, each snapshotted, decide per pass)
+        assert len(peeks) == (2 + 4) * EPOCHS
+    assert fixed == general
+
+
 # ---- the torch face, against torchdata ----
 
 def torch_batches(batch):
