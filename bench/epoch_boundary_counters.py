@@ -17,7 +17,7 @@ around ``iter()`` + the first ``next()`` of each epoch; ``steady``, around one
 and closing a window, subtracted from the other two.  Printed per window: user-space
 cycles, instructions and cache misses, kernel cycles, and the user-space IPC.  A
 child of another tree: ``PYTHONPATH=TREE``.  Results: docs/bench-log.md, "Twentieth
-session".
+session" and "Twenty-first session" (an A/B of two trees, alternating).
 """
 from __future__ import annotations
 
