@@ -297,7 +297,7 @@ class Dispatch(Receive):
                 w = workers[i]
                 if w.retiring or w.status is not None:
                     return None
-                left = self._load(w)
+                left = self._unfinished(w)
                 if best < 0 or left < least:
                     best, least = i, left
             self.pick_from = best + 1 if best + 1 < n else 0
@@ -308,18 +308,14 @@ class Dispatch(Receive):
                 return w
         return None
 
-    def _load(self, w: Channel) -> int:
-        """How busy ``w`` is, for choosing the worker of a task.  Refilled one task at
-        a time (``prefetch`` in flight: large batches), its tasks not yet published:
-        a worker whose batches wait to be consumed is idle, and counting them (as the
-        tasks it owes) gave the next task to the worker still busy while the other
-        slept -- small batches (0.79 MB), 2 workers: 9,549-11,535 -> 12,579-14,827
-        b/s.  Refilled in bursts (a deep queue of small batches), the tasks it owes:
-        looking at every task's slot cost the parent more than it gained."""
-        return self._unfinished(w) if self.depth <= self.engine.prefetch else len(w.outstanding)
-
     def _unfinished(self, w: Channel) -> int:
-        """Tasks ``w`` has not published yet.  A worker publishes its tasks in order,
+        """Tasks ``w`` has not published yet: how busy it is, for choosing the worker of
+        a task.  A worker whose batches only wait to be consumed is idle: counting them
+        (as the tasks it owes) gave the next task to the worker still busy while the
+        other slept (small batches, 0.79 MB, 2 workers: 9,549-11,535 -> 12,579-14,827
+        b/s), and, in a deep queue refilled in bursts, kept the tasks in turn when one
+        worker fell behind, so the loop waited on its batches while the other's were
+        done (docs/design-log.md, "Workers").  A worker publishes its tasks in order,
         so its finished ones are a prefix of ``outstanding``; ``w.done`` caches the
         prefix's length (reset to 0 when ``outstanding`` changes other than at its
         ends), and each task is looked at until it is seen finished once."""
@@ -333,9 +329,10 @@ class Dispatch(Receive):
         return n - k
 
     def _pick_worker(self, pinned: int | None) -> Channel | None:
-        """The live, non-retiring worker with the least load (:meth:`_load`; or ``pinned``);
-        None when there is none to give the task to (a dead worker whose published
-        batches are still to be delivered is not replaced before they are)."""
+        """The live, non-retiring worker with the fewest unpublished tasks
+        (:meth:`_unfinished`; or ``pinned``); None when there is none to give the task to
+        (a dead worker whose published batches are still to be delivered is not
+        replaced before they are)."""
         running = self._running_worker(pinned)
         if running is not None:
             return running
@@ -348,7 +345,7 @@ class Dispatch(Receive):
                 raise ValueError(f"task pinned to worker {pinned}, but the workers are 0.."
                                  f"{self.engine.num_workers - 1}")
             workers = [w for w in workers if w.wid == pinned]
-        return min(workers, key=self._load) if workers else None
+        return min(workers, key=self._unfinished) if workers else None
 
     def _free_slot(self) -> int:
         """A FREE slot, waiting for abandoned batches' slots when only they are busy;

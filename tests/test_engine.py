@@ -445,7 +445,9 @@ def test_a_task_goes_to_the_worker_with_the_fewest_unpublished_tasks():
     """Refilled one task at a time, the next task goes to the worker with the fewest
     tasks not yet published: a worker whose batches only wait to be consumed is idle
     (counting them as owed gave the task to the busy worker while the other slept).
-    In burst mode (a deep queue) the count of tasks owed decides."""
+    In burst mode (a deep queue of small batches) too: the count of tasks owed kept
+    the tasks in turn when one worker fell behind, and the loop waited on its batches
+    (docs/bench-log.md, "Twenty-second session")."""
     import collections
     import types
 
@@ -484,7 +486,15 @@ def test_a_task_goes_to_the_worker_with_the_fewest_unpublished_tasks():
     region.states[4] = _ring.STATE_ASSIGNED           # cannot happen in order; the cache holds
     assert sched._running_worker(None) is busy        # 0 unpublished against idle's cached 0: a tie, and
     #                                                   the pick after idle's wraps round to busy
-    sched.depth = 64                                  # burst mode: the tasks owed
-    assert sched._running_worker(None) is busy        # 2 owed against 3
-    busy.outstanding.extend([Task(1), Task(1)])
-    assert sched._running_worker(None) is idle        # 4 owed against 3
+    sched.depth = 64                                  # burst mode: still the unpublished tasks
+    slow, fast = worker(0, [5, 6]), worker(1, [7, 8, 9])
+    region.states.update({5: _ring.STATE_ASSIGNED, 6: _ring.STATE_ASSIGNED,
+                          7: _ring.STATE_READY, 8: _ring.STATE_READY, 9: _ring.STATE_READY})
+    sched.res.workers = [slow, fast]
+    sched.pick_from = 0
+    assert sched._running_worker(None) is fast        # 0 unpublished against 2 (owed: 3 against 2)
+    retiring = worker(2, [])
+    retiring.retiring = True
+    sched.res.workers = [slow, fast, retiring]        # a worker retiring: the general path's pick
+    assert sched._running_worker(None) is None
+    assert sched._pick_worker(None) is fast
