@@ -76,7 +76,7 @@ EPOCH_WORKERS = 2
 EPOCH_BATCH = 8
 SAMPLE_MS = 2.5      # CPU per sample: 20 ms per batch of 8
 STEP_MS = 10.0       # the training step
-EPOCHS = 5
+EPOCHS = 20          # a run's first boundaries run cold, and 12 a cell were too few (docs/bench.md)
 EPOCH_BATCHES = 16
 STEADY_FROM = 4      # batches of each epoch before the steady state
 
