@@ -442,12 +442,12 @@ def test_equally_loaded_workers_take_tasks_in_turn():
 
 
 def test_a_task_goes_to_the_worker_with_the_fewest_unpublished_tasks():
-    """Refilled one task at a time, the next task goes to the worker with the fewest
-    tasks not yet published: a worker whose batches only wait to be consumed is idle
-    (counting them as owed gave the task to the busy worker while the other slept).
-    In burst mode (a deep queue of small batches) too: the count of tasks owed kept
-    the tasks in turn when one worker fell behind, and the loop waited on its batches
-    (docs/bench-log.md, "Twenty-second session")."""
+    """The next task goes to the worker with the fewest tasks not yet published: a
+    worker whose batches only wait to be consumed is idle (counting them as owed gave
+    the task to the busy worker while the other slept).  In burst mode (a deep queue
+    of small batches) too: there the count of tasks owed kept the tasks in turn when
+    one worker fell behind, and the loop waited on its batches (docs/bench-log.md,
+    "Twenty-second session")."""
     import collections
     import types
 
