@@ -44,7 +44,6 @@ STEPS = [
     (_dispatch.Dispatch, ["staff", "_fill"]),
     (_receive.Receive, ["_await", "replace_dead"]),
     (_steps, ["pull", "adopt"]),
-    (_scheduler, ["_equal_prefix"]),
 ]
 
 
