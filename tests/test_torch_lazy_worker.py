@@ -193,6 +193,18 @@ def without_flags(batches: list) -> list:
     return [b[:-1] for b in batches]
 
 
+#: Columns of a ``Draws`` sample that name the worker which built it: ``get_worker_info()``'s
+#: ``id`` and ``seed``.
+WORKER_COLUMNS = (5, 7)
+
+
+def without_worker(batches: list) -> list:
+    """:func:`without_flags`, and the ``Draws`` columns that name the worker left out: with
+    ``seed=`` each task goes to the least-loaded worker, so which worker builds a batch
+    depends on timing (docs/faces.md, "PyTorch"); its draws do not."""
+    return [[[c for k, c in enumerate(b[0]) if k not in WORKER_COLUMNS]] + b[1:] for b in without_flags(batches)]
+
+
 @pytest.mark.parametrize("method", ["spawn", "forkserver", "fork"])
 def test_numpy_dataset_workers_have_no_torch_and_give_torchs_batches(tmp_path, method):
     out = run_case(tmp_path, "numpy", method)
@@ -211,7 +223,8 @@ def test_numpy_dataset_workers_have_no_torch_and_give_torchs_batches(tmp_path, m
     assert without_flags(out["init"]) == without_flags(out["init_want"])
     assert out["init"][0][1][0][1] != -1.0   # (the init draw reached the batch)
     # seed= (per-batch seeding): torch imported inside a batch is seeded as that batch
-    assert without_flags(out["seeded"]) == without_flags(out["seeded_want"])
+    assert without_worker(out["seeded"]) == without_worker(out["seeded_want"])
+    assert {i for b in out["seeded"] for i in b[0][WORKER_COLUMNS[0]][1]} <= {0, 1}
     if lazy:
         assert out["zygote_torch_after_draws"] is False   # the workers imported torch, not the zygote
         # a dataset holding tensors: its pickle names torch, so the zygote imports it before the fork
