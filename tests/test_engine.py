@@ -423,7 +423,7 @@ def test_equally_loaded_workers_take_tasks_in_turn():
     sched = Scheduler.__new__(Scheduler)
     sched.res = types.SimpleNamespace(workers=workers, region=None)
     sched.engine = types.SimpleNamespace(num_workers=3, prefetch=4)
-    sched.depth = 4       # refilled one task at a time: the unpublished tasks decide
+    sched.depth = 4       # (any depth: the unpublished tasks decide)
     sched.pick_from = 0
 
     def pick(n, published):
